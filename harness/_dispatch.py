@@ -1,0 +1,113 @@
+"""Runs one test item on a pool, replacing the pool when it breaks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from harness._pool import Attempt, Placement, PoolKey, PoolStartError, RankPool
+from harness._protocol import RunTest, Status
+from harness._report import RunInfo, Verdict, compose
+
+
+@dataclass(frozen=True)
+class TestRequest:
+    """Everything the pytest process knows about one distributed test item."""
+
+    key: PoolKey
+    placement: Placement
+    message: RunTest
+    fresh_pool: bool
+    timeout_s: float
+    grace_s: float
+
+    def info(self) -> RunInfo:
+        return RunInfo(
+            self.key.world_size,
+            self.placement.device_type,
+            self.placement.backend,
+            self.timeout_s,
+        )
+
+
+class PoolManager:
+    """One reusable pool per (world size, device type) in this pytest process."""
+
+    def __init__(self, *, capture_output: bool, env: dict[str, str], pg_timeout_s: float) -> None:
+        self._capture_output = capture_output
+        self._env = env
+        self._pg_timeout_s = pg_timeout_s
+        self._pools: dict[PoolKey, RankPool] = {}
+        self.pools_started = 0
+        self.tests_run = 0
+
+    def acquire(self, request: TestRequest) -> RankPool:
+        if not request.fresh_pool:
+            pool = self._pools.get(request.key)
+            if pool is not None and pool.state.is_ready():
+                return pool
+            self.discard(request.key)
+        pool = RankPool(
+            request.key,
+            request.placement,
+            capture_output=self._capture_output,
+            env=self._env,
+            pg_timeout_s=self._pg_timeout_s,
+        )
+        self.pools_started += 1
+        pool.start(request.message.sys_path)
+        if not request.fresh_pool:
+            self._pools[request.key] = pool
+        return pool
+
+    def release(self, pool: RankPool, request: TestRequest) -> None:
+        if request.fresh_pool or not pool.state.is_ready():
+            pool.stop()
+            if self._pools.get(pool.key) is pool:
+                del self._pools[pool.key]
+
+    def discard(self, key: PoolKey) -> None:
+        pool = self._pools.pop(key, None)
+        if pool is not None:
+            pool.stop()
+
+    def live_pids(self) -> list[int]:
+        return [pid for pool in self._pools.values() for pid in pool.pids]
+
+    def pool_pids(self, key: PoolKey) -> list[int]:
+        pool = self._pools.get(key)
+        return pool.pids if pool is not None else []
+
+    def shutdown(self) -> None:
+        for key in list(self._pools):
+            self.discard(key)
+
+
+def run(manager: PoolManager, request: TestRequest) -> Verdict:
+    """Runs the test, resuming after a subtest whose failure broke the pool."""
+    deadline = time.monotonic() + request.timeout_s
+    attempts: list[Attempt] = []
+    message = request.message
+    manager.tests_run += 1
+    while True:
+        try:
+            pool = manager.acquire(request)
+        except PoolStartError as exc:
+            return _start_failed(attempts, request, exc)
+        try:
+            attempt = pool.execute(message, deadline, request.grace_s)
+        finally:
+            manager.release(pool, request)
+        attempts.append(attempt)
+        if attempt.restart_after is None or time.monotonic() >= deadline:
+            return compose(attempts, request.info(), None)
+        message = replace(message, resume_after=attempt.restart_after)
+
+
+def _start_failed(attempts: list[Attempt], request: TestRequest, exc: PoolStartError) -> Verdict:
+    if not attempts:
+        return compose(attempts, request.info(), str(exc))
+    verdict = compose(attempts, request.info(), None)
+    verdict.status = Status.FAILED
+    verdict.text += f"\n\nthe remaining subtests did not run: {exc}\n"
+    return verdict

@@ -1,0 +1,465 @@
+"""A pool of rank processes, owned by one pytest process, reused across tests.
+
+[Note: Rendezvous without races]
+The pytest process binds a listening socket on 127.0.0.1 port 0, hands its file
+descriptor to a TCPStore server (``master_listen_fd``) and gives the port it got
+to the ranks. No port is probed and then bound later, so two pools (or two xdist
+workers) can never race for one port, and nothing listens beyond loopback. Gloo
+and NCCL are pinned to the loopback interface unless the user says otherwise.
+
+[Note: Failing fast without losing errors]
+When a rank reports a failure (or dies), the other ranks get a short grace
+period to report their own outcome: if every rank failed, every traceback is
+reported. A rank still running after the grace period is almost always blocked
+in a collective waiting for the rank that failed; its stack is captured
+(SIGUSR1 -> faulthandler) and it is stopped. Nobody waits for a collective
+timeout to learn the real error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from harness import _stacks, _worker
+from harness._protocol import (
+    Proceed,
+    Ready,
+    RunTest,
+    Shutdown,
+    SubtestFinished,
+    SubtestStarted,
+    TestFinished,
+    WorkerSpec,
+)
+
+_START_TIMEOUT_S = 120.0
+_STOP_TIMEOUT_S = 5.0
+_STACK_WAIT_S = 1.5
+_LOOPBACK_ENV = (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
+
+
+class PoolKey(NamedTuple):
+    world_size: int
+    device_type: str
+
+
+class Placement(NamedTuple):
+    device_type: str
+    backend: str
+    cuda_visible_devices: str | None
+
+
+class PoolState(enum.Enum):
+    NEW = "new"
+    READY = "ready"
+    BROKEN = "broken"
+    STOPPED = "stopped"
+
+    def is_ready(self) -> bool:
+        return self is PoolState.READY
+
+
+class PoolStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    process: mp.process.BaseProcess
+    conn: Connection
+    output_file: Path
+    stacks_file: Path
+    output_offset: int = 0
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def death(self) -> str | None:
+        """How the process ended, or None while it runs."""
+        code = self.process.exitcode
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by signal {name} ({-code})"
+        return f"exited with exit code {code}"
+
+    def read_output(self) -> str:
+        try:
+            with open(self.output_file, "rb") as f:
+                f.seek(self.output_offset)
+                data = f.read()
+        except FileNotFoundError:
+            return ""
+        self.output_offset += len(data)
+        return data.decode("utf-8", errors="replace")
+
+    def dump_stack(self) -> str:
+        """Asks the rank for the Python stacks of all its threads."""
+        if self.process.exitcode is not None:
+            return ""
+        before = _size(self.stacks_file)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, _worker.STACK_SIGNAL)
+        deadline = time.monotonic() + _STACK_WAIT_S
+        size = before
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            new_size = _size(self.stacks_file)
+            if new_size > before and new_size == size:
+                break
+            size = new_size
+        with open(self.stacks_file, "rb") as f:
+            f.seek(before)
+            return f.read().decode("utf-8", errors="replace")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+@dataclass
+class RankResult:
+    rank: int
+    finished: TestFinished | None = None
+    death: str | None = None
+    stopped_stack: str | None = None
+    output: str = ""
+    current_subtest: tuple[int, str] | None = None
+    deselected: int = 0
+
+    def deselected_total(self) -> int:
+        return self.finished.deselected if self.finished is not None else self.deselected
+
+
+@dataclass
+class SubtestRecord:
+    index: int
+    config: str
+    finished: dict[int, SubtestFinished] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def any_failed(self) -> bool:
+        return bool(self.notes) or any(f.status.is_failed() for f in self.finished.values())
+
+
+@dataclass
+class Attempt:
+    """What one execution of a test on one pool produced."""
+
+    ranks: dict[int, RankResult]
+    subtests: dict[int, SubtestRecord] = field(default_factory=dict)
+    timed_out: bool = False
+    restart_after: int | None = None
+    pool_broken: bool = False
+
+
+class RankPool:
+    """``world_size`` spawned rank processes sharing one process group."""
+
+    def __init__(
+        self,
+        key: PoolKey,
+        placement: Placement,
+        *,
+        capture_output: bool,
+        env: dict[str, str],
+        pg_timeout_s: float,
+    ) -> None:
+        self.key = key
+        self.placement = placement
+        self.state = PoolState.NEW
+        self.tests_run = 0
+        self._capture_output = capture_output
+        self._env = env
+        self._pg_timeout_s = pg_timeout_s
+        self._ranks: list[RankProcess] = []
+        self._store: dist.TCPStore | None = None
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="harness-pool-")
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self._ranks]
+
+    def start(self, sys_path: tuple[str, ...]) -> None:
+        port = self._start_store()
+        ctx = mp.get_context("spawn")
+        for rank in range(self.key.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            spec = self._spec(rank, port, sys_path)
+            process = ctx.Process(
+                target=_worker.main,
+                args=(spec, child_conn),
+                name=f"harness-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            self._ranks.append(
+                RankProcess(
+                    rank,
+                    process,
+                    parent_conn,
+                    _worker.output_path(self._tmpdir.name, rank),
+                    _worker.stacks_path(self._tmpdir.name, rank),
+                )
+            )
+        self._await_ready()
+        self.state = PoolState.READY
+
+    def _start_store(self) -> int:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = int(listener.getsockname()[1])
+        # The store server takes ownership of the listening descriptor.
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            self.key.world_size + 1,
+            is_master=True,
+            master_listen_fd=listener.detach(),
+            wait_for_workers=False,
+        )
+        return port
+
+    def _spec(self, rank: int, port: int, sys_path: tuple[str, ...]) -> WorkerSpec:
+        env = dict(_LOOPBACK_ENV)
+        env = {k: os.environ.get(k, v) for k, v in env.items()}
+        env.update(self._env)
+        return WorkerSpec(
+            rank=rank,
+            world_size=self.key.world_size,
+            backend=self.placement.backend,
+            device_type=self.placement.device_type,
+            store_port=port,
+            cuda_visible_devices=self.placement.cuda_visible_devices,
+            output_dir=self._tmpdir.name,
+            capture_output=self._capture_output,
+            parent_pid=os.getpid(),
+            sys_path=sys_path,
+            env=tuple(sorted(env.items())),
+            pg_timeout_s=self._pg_timeout_s,
+        )
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        waiting = {r.rank: r for r in self._ranks}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail_start("timed out waiting for the ranks to join the process group")
+            sentinels = {r.process.sentinel: r for r in waiting.values()}
+            conns = {r.conn: r for r in waiting.values()}
+            for obj in wait([*conns, *sentinels], timeout=remaining):
+                if obj in sentinels:
+                    proc = sentinels[obj]
+                    self._fail_start(f"rank {proc.rank} {proc.death()} while starting")
+                proc = conns[obj]  # type: ignore[index]
+                message = _recv(proc)
+                if isinstance(message, Ready):
+                    waiting.pop(proc.rank, None)
+
+    def _fail_start(self, why: str) -> None:
+        outputs = "\n".join(
+            f"--- rank {r.rank} output ---\n{r.read_output()}" for r in self._ranks
+        )
+        self.stop()
+        raise PoolStartError(f"could not start a pool of {self.key.world_size} ranks: {why}\n{outputs}")
+
+    # -- running a test -------------------------------------------------------
+
+    def execute(self, request: RunTest, deadline: float, grace_s: float) -> Attempt:
+        assert self.state.is_ready(), self.state
+        self.tests_run += 1
+        for proc in self._ranks:
+            proc.conn.send(request)
+        driver = _AttemptDriver(self._ranks, deadline, grace_s)
+        attempt = driver.run()
+        for proc in self._ranks:
+            attempt.ranks[proc.rank].output = proc.read_output()
+        if attempt.pool_broken:
+            self.state = PoolState.BROKEN
+        return attempt
+
+    def stop(self) -> None:
+        if self.state is PoolState.STOPPED:
+            return
+        for proc in self._ranks:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                if self.state.is_ready():
+                    proc.conn.send(Shutdown())
+        _stop_processes([r.process for r in self._ranks], graceful=self.state.is_ready())
+        for proc in self._ranks:
+            proc.conn.close()
+        self._store = None
+        self._tmpdir.cleanup()
+        self.state = PoolState.STOPPED
+
+
+def _stop_processes(processes: list[mp.process.BaseProcess], graceful: bool) -> None:
+    if graceful:
+        _join_all(processes, _STOP_TIMEOUT_S)
+    for process in processes:
+        if process.exitcode is None:
+            process.terminate()
+    _join_all(processes, _STOP_TIMEOUT_S)
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+    _join_all(processes, _STOP_TIMEOUT_S)
+
+
+def _join_all(processes: list[mp.process.BaseProcess], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+def _recv(proc: RankProcess) -> object:
+    try:
+        return proc.conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+class _AttemptDriver:
+    """Drives one test execution: relays subtest barriers, enforces the deadline
+    and the grace period, and records what every rank did."""
+
+    def __init__(self, ranks: list[RankProcess], deadline: float, grace_s: float) -> None:
+        self._ranks = {r.rank: r for r in ranks}
+        self._deadline = deadline
+        self._grace_s = grace_s
+        self._grace_deadline: float | None = None
+        self._pending = set(self._ranks)
+        self._failed_subtest: int | None = None
+        self.attempt = Attempt(ranks={r: RankResult(r) for r in self._ranks})
+
+    def run(self) -> Attempt:
+        while self._pending:
+            timeout = self._next_timeout()
+            if timeout <= 0:
+                self._expire()
+                break
+            self._poll(timeout)
+        return self.attempt
+
+    def _next_timeout(self) -> float:
+        limit = self._deadline
+        if self._grace_deadline is not None:
+            limit = min(limit, self._grace_deadline)
+        return limit - time.monotonic()
+
+    def _poll(self, timeout: float) -> None:
+        live = [self._ranks[r] for r in self._pending]
+        conns = {p.conn: p for p in live}
+        sentinels = {p.process.sentinel: p for p in live}
+        for obj in wait([*conns, *sentinels], timeout=timeout):
+            if obj in conns:
+                proc = conns[obj]  # type: ignore[index]
+                message = _recv(proc)
+                if message is not None:
+                    self._handle(proc.rank, message)
+                    continue
+                proc.process.join(_STOP_TIMEOUT_S)
+            else:
+                proc = sentinels[obj]  # type: ignore[index]
+            if proc.rank in self._pending and proc.process.exitcode is not None:
+                self._on_death(proc)
+
+    def _handle(self, rank: int, message: object) -> None:
+        result = self.attempt.ranks[rank]
+        if isinstance(message, SubtestStarted):
+            result.current_subtest = (message.index, message.config)
+            result.deselected = message.deselected
+            self.attempt.subtests.setdefault(
+                message.index, SubtestRecord(message.index, message.config)
+            )
+        elif isinstance(message, SubtestFinished):
+            self._on_subtest_finished(rank, message)
+        elif isinstance(message, TestFinished):
+            result.finished = message
+            result.current_subtest = None
+            self._pending.discard(rank)
+            if not message.healthy:
+                self.attempt.pool_broken = True
+            if message.status.is_failed():
+                self._start_grace()
+
+    def _on_subtest_finished(self, rank: int, message: SubtestFinished) -> None:
+        record = self.attempt.subtests.setdefault(
+            message.index, SubtestRecord(message.index, message.config)
+        )
+        record.finished[rank] = message
+        if message.status.is_failed():
+            self._failed_subtest = message.index
+            self._start_grace()
+        if len(record.finished) == len(self._ranks):
+            reply = Proceed(message.index, record.any_failed())
+            for proc in self._ranks.values():
+                proc.conn.send(reply)
+            for result in self.attempt.ranks.values():
+                result.current_subtest = None
+            self._grace_deadline = None
+            self._failed_subtest = None
+
+    def _on_death(self, proc: RankProcess) -> None:
+        result = self.attempt.ranks[proc.rank]
+        result.death = proc.death()
+        self._pending.discard(proc.rank)
+        self.attempt.pool_broken = True
+        if result.current_subtest is not None:
+            index, config = result.current_subtest
+            record = self.attempt.subtests.setdefault(index, SubtestRecord(index, config))
+            record.notes.append(f"rank {proc.rank} {result.death} during this subtest")
+            self._failed_subtest = index
+        self._start_grace()
+
+    def _start_grace(self) -> None:
+        if self._grace_deadline is None:
+            self._grace_deadline = time.monotonic() + self._grace_s
+
+    def _expire(self) -> None:
+        """The deadline or the grace period ran out with ranks still running."""
+        self.attempt.pool_broken = True
+        self.attempt.timed_out = time.monotonic() >= self._deadline
+        for rank in sorted(self._pending):
+            proc = self._ranks[rank]
+            self.attempt.ranks[rank].stopped_stack = proc.dump_stack()
+        if not self.attempt.timed_out and self._failed_subtest is not None:
+            self._note_stragglers(self._failed_subtest)
+            self.attempt.restart_after = self._failed_subtest
+        self._pending.clear()
+
+    def _note_stragglers(self, index: int) -> None:
+        record = self.attempt.subtests[index]
+        for rank, result in self.attempt.ranks.items():
+            if result.stopped_stack is not None and rank not in record.finished:
+                stack = _stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
+                record.notes.append(
+                    f"rank {rank} was stopped after another rank failed this subtest; "
+                    f"it was blocked here:\n{stack}"
+                )

@@ -1,0 +1,123 @@
+"""What a test body sees of its rank: identity, device and the subtest gate."""
+
+from __future__ import annotations
+
+import os
+import traceback
+import unittest
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from harness import subtests
+from harness._protocol import Proceed, Status, SubtestFinished, SubtestStarted
+
+
+class SubtestsFailed(AssertionError):
+    """Raised by ``run_subtests`` after the last combination if any failed.
+
+    The per-combination errors were already sent to the pytest process, which
+    reports them; this exception only stops the rest of the test body.
+    """
+
+
+SKIP_EXCEPTIONS: tuple[type[BaseException], ...] = (unittest.SkipTest, pytest.skip.Exception)
+
+
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def format_exception(exc: BaseException) -> str:
+    """The traceback without the harness's own frames above the test code."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HARNESS_DIR:
+        if tb.tb_next is None:
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def skip_reason(exc: BaseException) -> str:
+    if isinstance(exc, pytest.skip.Exception):
+        return str(exc.msg)
+    return str(exc)
+
+
+@dataclass
+class RankContext:
+    """The harness state of one rank for the test that is running."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    conn: Connection
+    subtest_filter: tuple[tuple[str, str], ...] = ()
+    resume_after: int = -1
+    next_index: int = 0
+    deselected: int = 0
+    any_subtest_failed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def run_subtests(
+        self,
+        config: Mapping[str, Sequence[object]],
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> None:
+        failed_here = False
+        for combo in subtests.combinations(config):
+            index = self.next_index
+            self.next_index += 1
+            if index <= self.resume_after:
+                continue
+            if not subtests.matches(combo.kwargs, self.subtest_filter):
+                self.deselected += 1
+                continue
+            failed_here |= self._run_one(index, combo, fn, args, kwargs)
+        if failed_here:
+            raise SubtestsFailed("one or more subtests failed; see the subtest report")
+
+    def _run_one(
+        self,
+        index: int,
+        combo: subtests.Combination,
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> bool:
+        rendered = combo.render()
+        self.conn.send(SubtestStarted(self.rank, index, rendered, self.deselected))
+        status, text = Status.PASSED, ""
+        try:
+            fn(*args, **kwargs, **combo.kwargs)
+        except SKIP_EXCEPTIONS as exc:
+            status, text = Status.SKIPPED, skip_reason(exc)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported
+            status, text = Status.FAILED, format_exception(exc)
+        self.conn.send(SubtestFinished(self.rank, index, rendered, status, text))
+        reply = self.conn.recv()
+        assert isinstance(reply, Proceed) and reply.index == index, reply
+        self.any_subtest_failed |= reply.any_failed
+        return reply.any_failed
+
+
+_CURRENT: RankContext | None = None
+
+
+def current() -> RankContext:
+    if _CURRENT is None:
+        raise RuntimeError(
+            "No rank context: this is only available inside a test body running in a rank "
+            "process of the harness."
+        )
+    return _CURRENT
+
+
+def activate(context: RankContext | None) -> None:
+    global _CURRENT
+    _CURRENT = context

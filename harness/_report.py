@@ -1,0 +1,229 @@
+"""Turns what the ranks did into one verdict and one readable failure report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from harness import _stacks
+from harness._pool import Attempt, RankResult, SubtestRecord
+from harness._protocol import Status, SubtestCounts
+
+_DEATH_OUTPUT_LINES = 40
+
+
+@dataclass
+class Verdict:
+    status: Status
+    text: str
+    counts: SubtestCounts | None
+    outputs: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    world_size: int
+    device_type: str
+    backend: str
+    timeout_s: float
+
+    def describe(self) -> str:
+        return f"world_size={self.world_size}, device={self.device_type}, backend={self.backend}"
+
+
+def compose(attempts: Sequence[Attempt], info: RunInfo, start_error: str | None) -> Verdict:
+    if start_error is not None:
+        return Verdict(Status.FAILED, start_error, None)
+    final = attempts[-1]
+    subtests = _merge_subtests(attempts)
+    counts = _count(subtests, attempts) if subtests or _any_deselected(attempts) else None
+    outputs = _outputs(attempts)
+    sections: list[str] = []
+    if counts is not None and counts.failed:
+        sections.append(_subtest_section(subtests))
+    rank_sections = _rank_sections(final, info, counts)
+    status = _status(final, counts)
+    if status.is_failed():
+        header = _header(final, info, counts)
+        text = "\n\n".join([header, *sections, *rank_sections]).rstrip() + "\n"
+        return Verdict(status, text, counts, outputs)
+    if status is Status.SKIPPED:
+        return Verdict(status, _skip_reason(final), counts, outputs)
+    return Verdict(status, "", counts, outputs)
+
+
+def _merge_subtests(attempts: Sequence[Attempt]) -> dict[int, SubtestRecord]:
+    merged: dict[int, SubtestRecord] = {}
+    for attempt in attempts:
+        merged.update(attempt.subtests)
+    return dict(sorted(merged.items()))
+
+
+def _any_deselected(attempts: Sequence[Attempt]) -> bool:
+    return any(r.deselected_total() for a in attempts for r in a.ranks.values())
+
+
+def _count(subtests: dict[int, SubtestRecord], attempts: Sequence[Attempt]) -> SubtestCounts:
+    failed = sum(1 for r in subtests.values() if r.any_failed())
+    skipped = sum(
+        1
+        for r in subtests.values()
+        if not r.any_failed()
+        and r.finished
+        and all(f.status is Status.SKIPPED for f in r.finished.values())
+    )
+    deselected = sum(a.ranks[0].deselected_total() for a in attempts if 0 in a.ranks)
+    return SubtestCounts(ran=len(subtests), failed=failed, skipped=skipped, deselected=deselected)
+
+
+def _status(final: Attempt, counts: SubtestCounts | None) -> Status:
+    if final.timed_out or (counts is not None and counts.failed):
+        return Status.FAILED
+    results = list(final.ranks.values())
+    if any(r.death is not None or r.stopped_stack is not None for r in results):
+        return Status.FAILED
+    statuses = [r.finished.status for r in results if r.finished is not None]
+    if any(s.is_failed() for s in statuses) or len(statuses) < len(results):
+        return Status.FAILED
+    if any(s is Status.SKIPPED for s in statuses):
+        return Status.SKIPPED
+    return Status.PASSED
+
+
+def _skip_reason(final: Attempt) -> str:
+    for result in final.ranks.values():
+        if result.finished is not None and result.finished.status is Status.SKIPPED:
+            return result.finished.text
+    return "skipped"
+
+
+def _header(final: Attempt, info: RunInfo, counts: SubtestCounts | None) -> str:
+    if final.timed_out:
+        return f"timed out after {info.timeout_s:g} s ({info.describe()}); stacks of every rank below"
+    failing = [r for r in final.ranks.values() if _rank_failed(r, counts)]
+    dead = [r for r in failing if r.death is not None]
+    parts = [f"rank {r.rank} {r.death}" for r in dead]
+    others = [r for r in failing if r.death is None]
+    if others:
+        names = ", ".join(f"rank {r.rank}" for r in others)
+        after = " afterwards" if dead else ""
+        parts.append(f"{len(others)} of {info.world_size} ranks failed{after}: {names}")
+    if parts:
+        parts[-1] += f" ({info.describe()})"
+    if counts is not None and counts.failed:
+        parts.append(_counts_line(counts))
+    return "\n".join(parts) if parts else f"test failed ({info.describe()})"
+
+
+def _counts_line(counts: SubtestCounts) -> str:
+    return (
+        f"{counts.failed} of {counts.ran} subtests failed "
+        f"({counts.ran} ran, {counts.failed} failed, {counts.skipped} skipped, "
+        f"{counts.deselected} deselected)"
+    )
+
+
+def _rank_failed(result: RankResult, counts: SubtestCounts | None) -> bool:
+    if result.death is not None:
+        return True
+    finished = result.finished
+    if finished is None:
+        return False
+    if finished.status.is_failed() and finished.subtests_failed and counts is not None:
+        return False  # the subtest section explains it
+    return finished.status.is_failed()
+
+
+def _subtest_section(subtests: dict[int, SubtestRecord]) -> str:
+    lines: list[str] = []
+    for record in subtests.values():
+        if not record.any_failed():
+            continue
+        if lines:
+            lines.append("")
+        failed_ranks = [r for r, f in sorted(record.finished.items()) if f.status.is_failed()]
+        where = ", ".join(f"rank {r}" for r in failed_ranks) or "no rank reported"
+        lines.append(f"=== subtest {record.index} [{record.config}]: failed on {where} ===")
+        lines.append(f're-run it alone with: --subtest "{record.config}"')
+        lines.extend(_grouped_tracebacks(record, failed_ranks))
+        lines.extend(record.notes)
+    return "\n".join(lines)
+
+
+def _grouped_tracebacks(record: SubtestRecord, ranks: list[int]) -> list[str]:
+    """Identical tracebacks from several ranks are printed once."""
+    groups: dict[str, list[int]] = {}
+    for rank in ranks:
+        groups.setdefault(record.finished[rank].text, []).append(rank)
+    lines = []
+    for text, members in groups.items():
+        label = ", ".join(f"rank {r}" for r in members)
+        lines.append(f"--- {label} ---")
+        lines.append(text.rstrip())
+    return lines
+
+
+def _rank_sections(final: Attempt, info: RunInfo, counts: SubtestCounts | None) -> list[str]:
+    sections = [_death_section(r) for r in final.ranks.values() if r.death is not None]
+    identical: dict[str, list[int]] = {}
+    for result in final.ranks.values():
+        finished = result.finished
+        if (
+            finished is not None
+            and finished.status.is_failed()
+            and _rank_failed(result, counts)
+            and result.death is None
+        ):
+            identical.setdefault(finished.text, []).append(result.rank)
+    for text, ranks in identical.items():
+        label = ", ".join(f"rank {r}" for r in ranks)
+        sections.append(f"=== {label}: {_exc_type(final, ranks[0])} ===\n{text.rstrip()}")
+    for result in final.ranks.values():
+        if result.death is None and result.stopped_stack is not None and not _reported_before(
+            result, final
+        ):
+            sections.append(_stopped_section(result, final))
+    return sections
+
+
+def _exc_type(final: Attempt, rank: int) -> str:
+    finished = final.ranks[rank].finished
+    return finished.exc_type if finished is not None else "failed"
+
+
+def _reported_before(result: RankResult, final: Attempt) -> bool:
+    """A rank waiting at a subtest barrier it already reached is not news."""
+    if final.restart_after is None:
+        return False
+    record = final.subtests.get(final.restart_after)
+    return record is not None and result.rank in record.finished
+
+
+def _death_section(result: RankResult) -> str:
+    where = ""
+    if result.current_subtest is not None:
+        where = f" during subtest {result.current_subtest[0]} [{result.current_subtest[1]}]"
+    tail = "\n".join(_stacks.clean(result.output).splitlines()[-_DEATH_OUTPUT_LINES:])
+    return f"=== rank {result.rank}: {result.death}{where} ===\nlast output of the rank:\n{tail}"
+
+
+def _stopped_section(result: RankResult, final: Attempt) -> str:
+    where = ""
+    if result.current_subtest is not None:
+        where = f" in subtest {result.current_subtest[0]} [{result.current_subtest[1]}]"
+    if final.timed_out:
+        why = f"still running{where} at the deadline"
+    else:
+        why = f"stopped{where} after another rank failed; it was blocked here"
+    stack = _stacks.clean(result.stopped_stack) if result.stopped_stack else ""
+    stack = stack or "(no stack: it did not answer)"
+    return f"=== rank {result.rank}: {why} ===\n{stack}"
+
+
+def _outputs(attempts: Sequence[Attempt]) -> dict[int, str]:
+    merged: dict[int, list[str]] = {}
+    for attempt in attempts:
+        for rank, result in attempt.ranks.items():
+            if result.output:
+                merged.setdefault(rank, []).append(result.output)
+    return {rank: "".join(parts) for rank, parts in merged.items()}

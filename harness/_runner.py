@@ -1,0 +1,147 @@
+"""Runs test methods inside a rank process (the rank side of the control channel)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from harness import _rank
+from harness._importer import import_test_module, resolve_qualname
+from harness._isolation import GroupTracker, StateBaseline, default_group_alive
+from harness._protocol import Ready, RunTest, Shutdown, Status, TestFinished, WorkerSpec
+from harness._worker import pg_timeout
+
+# Environment variables a rank reads to know where it runs (see harness.fsdp_api).
+ENV_DEVICE_TYPE = "HARNESS_DEVICE_TYPE"
+
+
+def serve(spec: WorkerSpec, conn: Connection) -> int:
+    device = _init_process_group(spec)
+    baseline = StateBaseline.capture()
+    conn.send(Ready(spec.rank, os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return 0
+        if isinstance(message, Shutdown):
+            _shutdown_process_group()
+            return 0
+        assert isinstance(message, RunTest), message
+        outcome = run_test(message, spec, device, conn, baseline)
+        conn.send(outcome)
+
+
+def _init_process_group(spec: WorkerSpec) -> torch.device:
+    os.environ[ENV_DEVICE_TYPE] = spec.device_type
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.rank)
+        device = torch.device("cuda", spec.rank)
+    else:
+        device = torch.device("cpu")
+    store = dist.TCPStore(
+        "127.0.0.1",
+        spec.store_port,
+        spec.world_size + 1,
+        is_master=False,
+        timeout=pg_timeout(60),
+    )
+    dist.init_process_group(
+        spec.backend,
+        store=store,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=pg_timeout(spec.pg_timeout_s),
+        device_id=device if spec.device_type == "cuda" else None,
+    )
+    return device
+
+
+def _shutdown_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_test(
+    message: RunTest,
+    spec: WorkerSpec,
+    device: torch.device,
+    conn: Connection,
+    baseline: StateBaseline,
+) -> TestFinished:
+    baseline.restore(message.seed)
+    context = _rank.RankContext(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        device=device,
+        backend=spec.backend,
+        conn=conn,
+        subtest_filter=message.subtest_filter,
+        resume_after=message.resume_after,
+    )
+    groups = GroupTracker()
+    groups.start()
+    _rank.activate(context)
+    try:
+        status, text, exc_type = _call_test(message, baseline)
+    finally:
+        _rank.activate(None)
+    healthy = _settle(device, groups)
+    return TestFinished(
+        rank=spec.rank,
+        status=status,
+        text=text,
+        exc_type=exc_type,
+        subtests_failed=context.any_subtest_failed,
+        deselected=context.deselected,
+        healthy=healthy,
+        notes=tuple(context.notes),
+    )
+
+
+def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, str]:
+    try:
+        if tuple(sys.path) != message.sys_path:
+            sys.path[:] = list(message.sys_path)
+        module = import_test_module(
+            message.module_name, message.module_file, message.rewrite_asserts
+        )
+        baseline.track_module(module.__name__)
+        cls = resolve_qualname(module, message.class_qualname)
+        instance = cls.__new__(cls)
+        _run_with_setup(instance, message.method_name, message.kwargs)
+    except _rank.SKIP_EXCEPTIONS as exc:
+        return Status.SKIPPED, _rank.skip_reason(exc), type(exc).__name__
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt in a rank is a failure too
+        return Status.FAILED, _rank.format_exception(exc), type(exc).__name__
+    return Status.PASSED, "", ""
+
+
+def _run_with_setup(instance: object, method_name: str, kwargs: dict[str, object]) -> None:
+    """``setUp``/``tearDown`` run in every rank around the body (pytest's
+    ``setup_method`` stays a pytest hook and runs in the pytest process)."""
+    method = getattr(instance, method_name)
+    setup = getattr(instance, "setUp", None)
+    if setup is not None:
+        setup()
+    try:
+        method(**kwargs)
+    finally:
+        teardown = getattr(instance, "tearDown", None)
+        if teardown is not None:
+            teardown()
+
+
+def _settle(device: torch.device, groups: GroupTracker) -> bool:
+    """Brings the rank back to a clean state; returns whether it is still usable."""
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        groups.destroy_new_groups()
+    except Exception:  # noqa: BLE001 - a sticky CUDA error or a broken group
+        return False
+    return default_group_alive()

@@ -1,0 +1,101 @@
+"""The rank process: joins the pool's process group once, then runs tests on request.
+
+[Note: A rank's lifetime]
+A rank is started with the spawn method, so nothing of the pytest process
+(CUDA state, threads, patched modules) leaks into it. It redirects its output to
+a file the pytest process reads per test, arms ``faulthandler`` (fatal signals
+write a Python stack; SIGUSR1 dumps every thread's stack on request, which is
+how a hang is explained), watches its parent so that it never outlives the
+session, joins the process group over a TCPStore the parent is hosting, and
+then serves ``RunTest`` messages until ``Shutdown`` or until its pipe closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TextIO
+
+STACK_SIGNAL = signal.SIGUSR1
+_PR_SET_PDEATHSIG = 1
+
+
+def output_path(output_dir: str, rank: int) -> Path:
+    return Path(output_dir) / f"rank{rank}.out"
+
+
+def stacks_path(output_dir: str, rank: int) -> Path:
+    return Path(output_dir) / f"rank{rank}.stacks"
+
+
+def main(spec: object, conn: Connection) -> None:
+    from harness._protocol import WorkerSpec
+
+    assert isinstance(spec, WorkerSpec)
+    _prepare_process(spec)
+    from harness._runner import serve
+
+    exit_code = serve(spec, conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _prepare_process(spec: object) -> None:
+    from harness._protocol import WorkerSpec
+
+    assert isinstance(spec, WorkerSpec)
+    if spec.capture_output:
+        _redirect_output(output_path(spec.output_dir, spec.rank))
+    faulthandler.enable(all_threads=True)
+    _STACK_FILES.append(open(stacks_path(spec.output_dir, spec.rank), "a"))  # noqa: SIM115
+    faulthandler.register(STACK_SIGNAL, file=_STACK_FILES[-1], all_threads=True, chain=False)
+    _die_with_parent(spec.parent_pid)
+    for key, value in spec.env:
+        os.environ[key] = value
+    if spec.cuda_visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    sys.path[:] = list(spec.sys_path)
+
+
+_STACK_FILES: list[TextIO] = []
+
+
+def _redirect_output(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """No rank outlives the pytest process, even one killed with SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(70)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def pg_timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)

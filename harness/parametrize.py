@@ -1,0 +1,49 @@
+"""Seed-style parametrization on top of ``pytest.mark.parametrize``.
+
+The upstream FSDP tests name parametrized cases through a mapping from values to
+short names (``subtest_name``). Here the same mapping produces pytest ids joined
+by ``-``, e.g. ``test_mixed_precision_e2e_full_shard[mp_fp16-offload_true-fp32-none]``,
+so ``-k`` and node ids read like the configuration.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+
+def value_id(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, type):
+        return value.__name__
+    return str(value)
+
+
+def subtest_name(test_name_mapping: Mapping[str, str], *args: object) -> str:
+    """The seeds' naming function: each value through the mapping, ``None`` as ``none``."""
+    return "-".join(test_name_mapping[str(a)] if a is not None else "none" for a in args)
+
+
+def parametrize(
+    argnames: str,
+    argvalues: Sequence[Any],
+    name_fn: Callable[..., str] | None = None,
+) -> pytest.MarkDecorator:
+    """``@parametrize("a,b", [(1, 2), ...], name_fn)`` as in the upstream tests."""
+    names = [n.strip() for n in argnames.split(",")]
+    rows = [v if len(names) > 1 else (v,) for v in argvalues]
+    if name_fn is not None:
+        ids = [name_fn(*row) for row in rows]
+    else:
+        ids = ["-".join(value_id(v) for v in row) for row in rows]
+    values = [tuple(row) if len(names) > 1 else row[0] for row in rows]
+    return pytest.mark.parametrize(names, values, ids=ids)

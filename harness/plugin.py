@@ -1,0 +1,282 @@
+"""The pytest plugin: options, markers, and the dispatch of distributed tests to rank pools.
+
+Enable it with ``pytest_plugins = ["harness.plugin"]`` in a conftest file or
+``-p harness.plugin`` on the command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from harness import hookspec
+from harness._dispatch import PoolManager, TestRequest, run
+from harness._pool import Placement, PoolKey
+from harness._protocol import RunTest, Status, SubtestCounts
+from harness.devices import DevicePlan
+from harness.subtests import parse_filter
+from harness.testcase import DistributedTest, declared_world_size
+
+IMPL_ENV = "FSDP_HARNESS_IMPL"
+_PG_TIMEOUT_S = 1800.0
+_SEED = 0
+
+plan_key = pytest.StashKey[DevicePlan]()
+manager_key = pytest.StashKey[PoolManager]()
+placement_key = pytest.StashKey[Placement]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspec)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distributed", "distributed tests (harness)")
+    group.addoption(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where ranks run: cuda+nccl when enough GPUs are visible (auto), "
+        "always cpu+gloo (cpu), or cuda only, skipping tests that lack GPUs (cuda). "
+        "Default: auto.",
+    )
+    group.addoption(
+        "--world-size",
+        type=int,
+        default=2,
+        help="ranks for test classes that do not pin world_size. Default: 2.",
+    )
+    group.addoption(
+        "--fsdp-impl",
+        choices=("local", "torch"),
+        default="local",
+        help="FSDP under test: this project's fsdp package (local) or "
+        "torch.distributed.fsdp (torch). Default: local.",
+    )
+    group.addoption(
+        "--subtest",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help='run only the subtest combinations matching every pair, e.g. '
+        '--subtest "sharding_strategy=SHARD_GRAD_OP,use_orig_params=True". '
+        "Values are matched as they appear in reports.",
+    )
+    group.addoption(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="per-test deadline; on expiry every rank's Python stack is reported and "
+        "the ranks are stopped. A dist_timeout or pytest-timeout timeout marker, or "
+        "pytest-timeout's ini value, lowers it. Default: 600.",
+    )
+    group.addoption(
+        "--fail-grace",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="after one rank fails, how long the other ranks have to report their own "
+        "outcome before they are stopped (with their stacks). Default: 2.",
+    )
+    group.addoption(
+        "--fresh-pool",
+        action="store_true",
+        default=False,
+        help="give every distributed test a fresh pool of ranks instead of reusing one.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "fresh_pool: run this distributed test in a fresh pool of ranks of its own",
+        "dist_timeout(seconds): per-test deadline for a distributed test",
+        "requires_gpu(reason): skip unless the ranks run on CUDA",
+        "requires_module(name, reason=None): skip unless `name` imports in this environment",
+    ):
+        config.addinivalue_line("markers", line)
+    os.environ[IMPL_ENV] = config.getoption("fsdp_impl")
+    config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
+    config.stash[manager_key] = PoolManager(
+        capture_output=config.getoption("capture") != "no",
+        env={IMPL_ENV: config.getoption("fsdp_impl")},
+        pg_timeout_s=_PG_TIMEOUT_S,
+    )
+    config.pluginmanager.register(SubtestReporter(config), "harness-subtests")
+    parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    manager = config.stash.get(manager_key, None)
+    if manager is not None:
+        manager.shutdown()
+
+
+def is_distributed(item: pytest.Item) -> bool:
+    cls = getattr(item, "cls", None)
+    return isinstance(item, pytest.Function) and cls is not None and issubclass(
+        cls, DistributedTest
+    )
+
+
+def world_size_of(item: pytest.Item) -> int:
+    pinned = declared_world_size(item.cls)  # type: ignore[attr-defined]
+    return pinned if pinned is not None else int(item.config.getoption("world_size"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not is_distributed(item):
+        return
+    plan = item.config.stash[plan_key]
+    placement = plan.placement(world_size_of(item))
+    if isinstance(placement, str):
+        pytest.skip(placement)
+    reason = _marker_skip_reason(item, placement) or item.config.hook.pytest_harness_skip_reason(
+        item=item, placement=placement
+    )
+    if reason:
+        pytest.skip(reason)
+    item.stash[placement_key] = placement
+
+
+def _marker_skip_reason(item: pytest.Item, placement: Placement) -> str | None:
+    gpu = item.get_closest_marker("requires_gpu")
+    if gpu is not None and placement.device_type != "cuda":
+        why = gpu.args[0] if gpu.args else gpu.kwargs.get("reason", "needs CUDA")
+        return f"{why} (ranks run on {placement.device_type})"
+    for marker in item.iter_markers("requires_module"):
+        name = marker.args[0]
+        error = _import_error(name)
+        if error is not None:
+            why = marker.kwargs.get("reason") or f"needs {name}"
+            return f"{why}: {error}"
+    return None
+
+
+_IMPORT_ERRORS: dict[str, str | None] = {}
+
+
+def _import_error(name: str) -> str | None:
+    if name not in _IMPORT_ERRORS:
+        try:
+            importlib.import_module(name)
+            _IMPORT_ERRORS[name] = None
+        except Exception as exc:  # noqa: BLE001 - torchvision raises RuntimeError with CPU torch
+            _IMPORT_ERRORS[name] = f"import {name} failed: {type(exc).__name__}: {exc}"
+    return _IMPORT_ERRORS[name]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not is_distributed(pyfuncitem):
+        return None
+    request = _request(pyfuncitem)
+    verdict = run(pyfuncitem.config.stash[manager_key], request)
+    for rank, output in sorted(verdict.outputs.items()):
+        pyfuncitem.add_report_section("call", f"rank {rank} output", output)
+    if verdict.counts is not None:
+        pyfuncitem.user_properties.append(("subtests", verdict.counts.as_dict()))
+    if verdict.status is Status.FAILED:
+        pytest.fail(verdict.text, pytrace=False)
+    if verdict.status is Status.SKIPPED:
+        pytest.skip(verdict.text)
+    return True
+
+
+def _request(item: pytest.Function) -> TestRequest:
+    config = item.config
+    placement = item.stash[placement_key]
+    world_size = world_size_of(item)
+    argnames = item._fixtureinfo.argnames  # the test function's own arguments
+    message = RunTest(
+        nodeid=item.nodeid,
+        module_name=item.module.__name__,  # type: ignore[union-attr]
+        module_file=str(item.path),
+        class_qualname=item.cls.__qualname__,  # type: ignore[union-attr]
+        method_name=item.originalname,
+        kwargs={name: item.funcargs[name] for name in argnames},
+        seed=_SEED,
+        sys_path=tuple(sys.path),
+        rewrite_asserts=config.getoption("assertmode") == "rewrite",
+        subtest_filter=parse_filter(config.getoption("subtest")),
+        resume_after=-1,
+    )
+    return TestRequest(
+        key=PoolKey(world_size, placement.device_type),
+        placement=placement,
+        message=message,
+        fresh_pool=config.getoption("fresh_pool") or item.get_closest_marker("fresh_pool") is not None,
+        timeout_s=_timeout_s(item),
+        grace_s=float(config.getoption("fail_grace")),
+    )
+
+
+def _timeout_s(item: pytest.Item) -> float:
+    """Our deadline: the option, lowered by markers; kept below pytest-timeout's
+    own timer so that the stacks of the ranks are reported before it fires."""
+    timeout = float(item.config.getoption("dist_timeout"))
+    marker = item.get_closest_marker("dist_timeout")
+    if marker is not None:
+        timeout = float(marker.args[0] if marker.args else marker.kwargs["seconds"])
+    outer = _pytest_timeout_s(item)
+    if outer is not None and outer > 0:
+        timeout = min(timeout, outer - min(5.0, 0.1 * outer))
+    return timeout
+
+
+def _pytest_timeout_s(item: pytest.Item) -> float | None:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value: Any = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        return float(value) if value is not None else None
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return None
+    option = item.config.getoption("timeout", None)
+    if option:
+        return float(option)
+    try:
+        ini = item.config.getini("timeout")
+    except ValueError:
+        return None
+    return float(ini) if ini not in (None, "") else None
+
+
+class SubtestReporter:
+    """Collects subtest counts per test from reports (also those xdist workers send)
+    and prints them in the terminal summary."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self.per_test: dict[str, SubtestCounts] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for name, value in report.user_properties:
+            if name == "subtests" and isinstance(value, dict):
+                self.per_test[report.nodeid] = SubtestCounts(**value)
+
+    def totals(self) -> SubtestCounts:
+        fields = ("ran", "failed", "skipped", "deselected")
+        sums = {f: sum(getattr(c, f) for c in self.per_test.values()) for f in fields}
+        return SubtestCounts(**sums)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.per_test:
+            return
+        tr = terminalreporter
+        tr.section("subtests")
+        if self._config.getoption("verbose") > 0:
+            for nodeid, c in self.per_test.items():
+                tr.write_line(
+                    f"{nodeid}: {c.ran} ran, {c.failed} failed, {c.skipped} skipped, "
+                    f"{c.deselected} deselected"
+                )
+        t = self.totals()
+        tr.write_line(
+            f"{len(self.per_test)} tests with subtests: {t.ran} subtests ran, {t.failed} failed, "
+            f"{t.skipped} skipped, {t.deselected} deselected"
+        )
