@@ -404,7 +404,9 @@ class _AttemptDriver:
             result.finished = message
             result.current_subtest = None
             self._pending.discard(rank)
-            if not message.healthy:
+            if not message.healthy or message.status.is_failed():
+                # A failed test may have left collectives or state half done:
+                # the next test gets a fresh pool.
                 self.attempt.pool_broken = True
             if message.status.is_failed():
                 self._start_grace()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from harness import hookspec
+from harness._limits import TORCH_CPU_OFFLOAD_SKIP
 from harness._dispatch import PoolManager, TestRequest, run
 from harness._pool import Placement, PoolKey
 from harness._protocol import RunTest, Status, SubtestCounts
@@ -21,13 +22,14 @@ from harness.devices import DevicePlan
 from harness.subtests import parse_filter
 from harness.testcase import DistributedTest, declared_world_size
 
-IMPL_ENV = "FSDP_HARNESS_IMPL"
+IMPL_ENV = "FSDP_HARNESS_IMPL"  # read by harness.fsdp_api
 _PG_TIMEOUT_S = 1800.0
 _SEED = 0
 
 plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey[PoolManager]()
 placement_key = pytest.StashKey[Placement]()
+distributed_seen_key = pytest.StashKey[bool]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -109,6 +111,23 @@ def pytest_configure(config: pytest.Config) -> None:
     parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
 
 
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    controller = bool(getattr(config.option, "numprocesses", 0)) and not hasattr(
+        config, "workerinput"
+    )
+    manager = config.stash.get(manager_key, None)
+    if manager is None or controller or not config.stash.get(distributed_seen_key, False):
+        return
+    terminalreporter.write_line(
+        f"rank pools: {manager.pools_started} started, "
+        f"{manager.tests_run} distributed tests ran on them"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[distributed_seen_key] = any(is_distributed(item) for item in items)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(manager_key, None)
     if manager is not None:
@@ -140,6 +159,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if reason:
         pytest.skip(reason)
     item.stash[placement_key] = placement
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_harness_skip_reason(item: pytest.Item, placement: Placement) -> str | None:
+    """Torch's FSDP cannot offload parameters on a CPU-only run: such cases are
+    skipped here, before any rank starts, when the parametrization says so."""
+    if item.config.getoption("fsdp_impl") != "torch" or placement.device_type != "cpu":
+        return None
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    for name, value in params.items():
+        if getattr(value, "offload_params", False) is True or (
+            name == "offload_params" and value is True
+        ):
+            return TORCH_CPU_OFFLOAD_SKIP
+    return None
 
 
 def _marker_skip_reason(item: pytest.Item, placement: Placement) -> str | None:
@@ -182,7 +217,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.status is Status.FAILED:
         pytest.fail(verdict.text, pytrace=False)
     if verdict.status is Status.SKIPPED:
-        pytest.skip(verdict.text)
+        raise pytest.skip.Exception(verdict.text, _use_item_location=True)
     return True
 
 

@@ -1,0 +1,79 @@
+"""Names, lifecycles and small helpers shared by every layer of the package.
+
+[Note: Environment switches]
+Two environment variables change behaviour, both read once when a
+FullyShardedDataParallel instance is built (``EnvSwitches.read``), never deep
+inside the runtime:
+
+- ``FSDP_USE_FULL_PREC_IN_EVAL=1``: in ``eval()`` mode, compute, reduce and keep
+  buffers in full precision even when mixed precision is configured.
+- ``FSDP_SKIP_WRITEBACK_CHECK=1``: with ``use_orig_params=True``, do not check
+  before each unshard whether the user replaced or resized an original
+  parameter or its gradient (saves the check; changes are then not written back).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import NamedTuple
+
+from fsdp.api import ShardingStrategy
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+_CHECKPOINT_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+_FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
+_FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
+
+NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
+    ShardingStrategy.SHARD_GRAD_OP,
+    ShardingStrategy._HYBRID_SHARD_ZERO2,
+)
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class EnvSwitches(NamedTuple):
+    use_full_prec_in_eval: bool
+    skip_writeback_check: bool
+
+    @classmethod
+    def read(cls) -> EnvSwitches:
+        return cls(
+            os.environ.get(_FSDP_USE_FULL_PREC_IN_EVAL) == "1",
+            os.environ.get(_FSDP_SKIP_WRITEBACK_CHECK) == "1",
+        )
+
+
+class TrainingState(enum.Enum):
+    """Lifecycle of one FSDP unit."""
+
+    IDLE = enum.auto()
+    FORWARD_BACKWARD = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+    def is_idle(self) -> bool:
+        return self is TrainingState.IDLE
+
+
+class HandleTrainingState(enum.Enum):
+    """Lifecycle of one flat parameter within an iteration."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+    def in_backward(self) -> bool:
+        return self in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST)
+
+
+def clean_tensor_name(tensor_name: str) -> str:
+    """Strips the wrapper prefixes (``_fsdp_wrapped_module.`` and activation
+    checkpointing's) from a parameter or buffer name."""
+    for prefix in (FSDP_PREFIX, *_CHECKPOINT_PREFIXES):
+        tensor_name = tensor_name.replace(prefix, "")
+    return tensor_name

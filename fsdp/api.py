@@ -1,0 +1,102 @@
+"""Public configuration of FullyShardedDataParallel: enums and frozen dataclasses."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are sharded.
+
+    - ``FULL_SHARD``: parameters are sharded and all-gathered before forward and
+      again before backward; gradients are reduce-scattered.
+    - ``SHARD_GRAD_OP``: like ``FULL_SHARD`` but the unsharded parameters are
+      kept from forward until the end of backward (no second all-gather).
+    - ``NO_SHARD``: parameters are replicated; gradients are all-reduced (DDP).
+    - ``HYBRID_SHARD``: ``FULL_SHARD`` inside a shard group, replicated across
+      groups; gradients are reduce-scattered, then all-reduced across groups.
+    - ``_HYBRID_SHARD_ZERO2``: ``SHARD_GRAD_OP`` inside a shard group, replicated
+      across groups.
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+    _HYBRID_SHARD_ZERO2 = enum.auto()
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next all-gather of the backward pass is issued.
+
+    - ``BACKWARD_PRE``: before the current unit's gradient computation.
+    - ``BACKWARD_POST``: after the current unit's gradient computation.
+    ``None`` (the argument) means no backward prefetch.
+    """
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class StateDictType(enum.Enum):
+    FULL_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """``offload_params=True`` keeps sharded parameters and their gradients on the
+    CPU between uses; the optimizer steps on the CPU."""
+
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Low-precision dtypes for parameters, gradient reduction and buffers.
+
+    ``None`` for a dtype means "keep the full-precision dtype" for that role.
+    ``reduce_dtype=None`` reduces gradients in ``param_dtype`` when that is set.
+    ``keep_low_precision_grads`` leaves gradients in ``param_dtype`` after
+    backward instead of upcasting them. ``cast_forward_inputs`` casts floating
+    point inputs of every FSDP unit to its ``param_dtype``;
+    ``cast_root_forward_inputs`` does so for the root unit only. Modules of the
+    classes in ``_module_classes_to_ignore`` are wrapped as separate units
+    without mixed precision when an auto-wrap policy is given.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[torch.nn.Module]] = (_BatchNorm,)
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig:
+    """``offload_to_cpu`` returns CPU tensors; ``rank0_only`` returns the state
+    dict on rank 0 only (other ranks get an empty dict)."""
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig:
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig:
+    offload_to_cpu: bool = False
+
+
+StateDictConfig = FullStateDictConfig | ShardedStateDictConfig | LocalStateDictConfig

@@ -1,0 +1,146 @@
+"""Patch or record the collectives of whichever FSDP implementation is under test.
+
+[Note: One patch point for both implementations and both torch versions]
+Torch 2.13 renamed the single-tensor collectives (``reduce_scatter_single``,
+``all_gather_single``) and kept the old names (``reduce_scatter_tensor``,
+``all_gather_into_tensor``) as wrappers that call the new ones; torch 2.11 has
+only the old names. Torch's FSDP calls whichever its version has, and our FSDP
+(``fsdp._comm``) looks the function up on ``torch.distributed`` at call time.
+So every patch here replaces *every* name present for a collective, and a
+reentrancy guard (one per patch, so patches stack) makes a call that goes
+through two patched names (old name -> new name) count and dispatch once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Collective(enum.Enum):
+    ALL_GATHER = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+    REDUCE_SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+    ALL_REDUCE = ("all_reduce",)
+
+    def names(self) -> list[str]:
+        return [name for name in self.value if hasattr(dist, name)]
+
+
+def current(kind: Collective) -> Callable[..., Any]:
+    """The function a caller reaches today for ``kind`` (the newest name)."""
+    return getattr(dist, kind.names()[0])
+
+
+@contextlib.contextmanager
+def patch_collective(
+    kind: Collective, handler: Callable[..., Any]
+) -> Iterator[Callable[..., Any]]:
+    """Routes every call of ``kind`` through ``handler(orig, *args, **kwargs)``.
+
+    Yields the original function of the newest name. Calls nested inside the
+    handler (the original calling another patched name) go straight through.
+    """
+    originals = {name: getattr(dist, name) for name in kind.names()}
+    guard = threading.local()
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if getattr(guard, "active", False):
+                return orig(*args, **kwargs)
+            guard.active = True
+            try:
+                return handler(orig, *args, **kwargs)
+            finally:
+                guard.active = False
+
+        return patched
+
+    for name, orig in originals.items():
+        setattr(dist, name, make(orig))
+    try:
+        yield originals[kind.names()[0]]
+    finally:
+        for name, orig in originals.items():
+            setattr(dist, name, orig)
+
+
+def _replace(new_fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda _orig, *args, **kwargs: new_fn(*args, **kwargs)
+
+
+def patch_reduce_scatter(new_reduce_scatter: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+    """Replaces the reduce-scatter with ``new_reduce_scatter(*args, **kwargs)``,
+    which is expected to call the original (``current(Collective.REDUCE_SCATTER)``
+    taken before entering)."""
+    return patch_collective(Collective.REDUCE_SCATTER, _replace(new_reduce_scatter))
+
+
+def patch_all_gather(new_all_gather: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+    return patch_collective(Collective.ALL_GATHER, _replace(new_all_gather))
+
+
+def patch_all_reduce(new_all_reduce: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+    return patch_collective(Collective.ALL_REDUCE, _replace(new_all_reduce))
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    kind: Collective
+    input_dtype: torch.dtype
+    input_numel: int
+    output_numel: int
+    group_size: int
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+
+
+def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return dist.get_world_size(group)
+
+
+class CollectiveRecorder:
+    """Records every all-gather, reduce-scatter and all-reduce, in call order.
+
+    For the single-tensor collectives the first tensor argument is the output
+    and the second the input; for all-reduce the one tensor is both.
+    """
+
+    def __init__(self, kinds: tuple[Collective, ...] = tuple(Collective)) -> None:
+        self.kinds = kinds
+        self.calls: list[CollectiveCall] = []
+        self._stack = contextlib.ExitStack()
+
+    def of(self, kind: Collective) -> list[CollectiveCall]:
+        return [c for c in self.calls if c.kind is kind]
+
+    def _handler(self, kind: Collective) -> Callable[..., Any]:
+        def record(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            tensors = _tensors(args, kwargs)
+            out, inp = (tensors[0], tensors[-1]) if tensors else (None, None)
+            if out is not None and inp is not None:
+                self.calls.append(
+                    CollectiveCall(kind, inp.dtype, inp.numel(), out.numel(), _group_size(args, kwargs))
+                )
+            return orig(*args, **kwargs)
+
+        return record
+
+    def __enter__(self) -> CollectiveRecorder:
+        for kind in self.kinds:
+            self._stack.enter_context(patch_collective(kind, self._handler(kind)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Run:
+    """The outcome of an inner pytest session, split into one report per test."""
+
+    def __init__(self, result: pytest.RunResult, pids_file: Path) -> None:
+        self.result = result
+        self.path = pids_file.parent
+        self.text = result.stdout.str()
+        self._pids_file = pids_file
+
+    def section(self, test: str) -> str:
+        """The failure report of one test (the text under its ``____ name ____`` header)."""
+        pattern = re.compile(rf"^_+ \S*{re.escape(test)}(\[\S*\])? _+$", re.M)
+        match = pattern.search(self.text)
+        assert match, f"no report section for {test} in:\n{self.text}"
+        rest = self.text[match.end():]
+        end = re.search(r"^(_{5,} \S+ _{5,}|={8,} .* ={8,}|rank pools: .*)$", rest, re.M)
+        return (rest[: end.start()] if end else rest).strip("\n")
+
+    def pids(self) -> dict[str, list[int]]:
+        """PIDs the inner tests recorded, by test name."""
+        seen: dict[str, list[int]] = {}
+        if not self._pids_file.exists():
+            return seen
+        for line in self._pids_file.read_text().splitlines():
+            name, pid = line.split()
+            seen.setdefault(name, []).append(int(pid))
+        return seen
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Runs an inner pytest session in a subprocess with the harness plugin."""
+    pids_file = pytester.path / "pids.txt"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+
+    def run(source: str, *args: str) -> Run:
+        pytester.makepyfile(test_inner=source)
+        result = pytester.runpytest_subprocess(
+            "-p", "harness.plugin", "-p", "no:cacheprovider", "--device", "cpu", *args
+        )
+        return Run(result, pids_file)
+
+    yield run
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
