@@ -4,6 +4,8 @@ The public names mirror ``torch.distributed.fsdp`` so that switching is a
 one-line import change.
 """
 
+from fsdp._composable import fully_shard
+from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -14,14 +16,19 @@ from fsdp.api import (
     ShardingStrategy,
     StateDictType,
 )
+from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FlatParamHandle",
+    "FlatParameter",
     "FullStateDictConfig",
+    "FullyShardedDataParallel",
     "LocalStateDictConfig",
     "MixedPrecision",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictType",
+    "fully_shard",
 ]

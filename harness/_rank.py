@@ -118,6 +118,10 @@ def current() -> RankContext:
     return _CURRENT
 
 
+def current_or_none() -> RankContext | None:
+    return _CURRENT
+
+
 def activate(context: RankContext | None) -> None:
     global _CURRENT
     _CURRENT = context

@@ -1,0 +1,511 @@
+"""The runtime of one FSDP unit: forward and backward hooks, unshard and reshard.
+
+[Note: One iteration]
+- Root pre-forward (first forward of the outermost unit): lazy initialisation of
+  the whole tree; the unshard stream waits for the optimizer; inputs move to
+  the compute device and are cast to the root's parameter dtype; buffers take
+  their dtype for the mode (train, or eval in full precision).
+- Pre-forward of each unit: write back user changes, unshard (all-gather), wait,
+  expose unsharded ``Tensor`` views, make sure the post-backward hook is
+  registered, prefetch the next unit's all-gather (``forward_prefetch``).
+- Post-forward: ``FULL_SHARD``/``HYBRID_SHARD`` units other than the root free
+  the unsharded parameter; the root and the no-reshard strategies keep it for
+  backward. A pre-backward hook goes on every output tensor that needs a gradient.
+- Pre-backward (first gradient reaching a unit's output): queue the root's end
+  of backward callback once, unshard again if needed, set a stale gradient
+  aside, prefetch the previous unit (``BACKWARD_PRE``).
+- Post-backward (the flat parameter's gradient is accumulated): reshard, prefetch
+  (``BACKWARD_POST``), reduce the gradient on the reduce stream (cast to the
+  reduce dtype, divide by ``pre``, reduce-scatter or all-reduce, all-reduce
+  across replicas for hybrid sharding, divide by ``post``), keep the result.
+- End of backward (root callback): wait for the reductions, reshard what is
+  still unsharded, hand the sharded gradients to the optimizer, reset.
+Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
+returns; the next synchronised backward reduces the accumulated sum.
+
+[Note: Execution order and prefetch]
+The first iteration records the order in which units run forward. Forward
+prefetch unshards the next unit in that order; backward prefetch the previous
+one (backward runs in reverse). A unit is prefetched only if it still needs an
+unshard, so prefetching never adds an all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_map_only
+
+from fsdp import _comm, _registry
+from fsdp._common import (
+    FLAT_PARAM,
+    HYBRID_STRATEGIES,
+    NO_RESHARD_AFTER_FORWARD_STRATEGIES,
+    EnvSwitches,
+    HandleTrainingState,
+    TrainingState,
+)
+from fsdp._flat_param import FlatParamHandle
+from fsdp._streams import CommStreams
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+    FullStateDictConfig,
+)
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """The configuration of one FSDP unit, fixed at construction."""
+
+    sharding_strategy: ShardingStrategy
+    mixed_precision: MixedPrecision
+    cpu_offload: CPUOffload
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
+    env: EnvSwitches
+
+
+class ExecutionOrder:
+    """The order in which handles run forward, recorded in the first iteration."""
+
+    forward: list[FlatParamHandle]
+    recording: bool
+
+    def __init__(self) -> None:
+        self.forward = []
+        self.recording = True
+
+    def record(self, handle: FlatParamHandle) -> None:
+        if self.recording and handle not in self.forward:
+            self.forward.append(handle)
+
+    def next_iteration(self) -> None:
+        self.recording = False
+
+    def _neighbour(self, handle: FlatParamHandle, step: int) -> FlatParamHandle | None:
+        if handle not in self.forward:
+            return None
+        index = self.forward.index(handle) + step
+        return self.forward[index] if 0 <= index < len(self.forward) else None
+
+    def forward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
+        return None if self.recording else self._neighbour(handle, 1)
+
+    def backward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
+        return self._neighbour(handle, -1)
+
+
+@dataclass
+class RootContext:
+    """What the units of one root's tree share."""
+
+    root: FSDPState
+    states: list[FSDPState]
+    streams: CommStreams
+    exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    backward_started: bool = False
+    unshard_events: dict[int, torch.cuda.Event | None] = field(default_factory=dict)
+
+    def state_of(self, handle: FlatParamHandle) -> FSDPState:
+        return next(s for s in self.states if s.handle is handle)
+
+
+def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Casts floating-point tensors (never integer ones, e.g. token ids)."""
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+
+    return tree_map_only(Tensor, cast, args), tree_map_only(Tensor, cast, kwargs)
+
+
+def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def move(t: Tensor) -> Tensor:
+        return t if t.device == device else t.to(device)
+
+    return tree_map_only(Tensor, move, args), tree_map_only(Tensor, move, kwargs)
+
+
+class FSDPState:
+    """The runtime state of one FSDP unit (a wrapper or a ``fully_shard`` module)."""
+
+    module: nn.Module
+    config: UnitConfig
+    process_group: Any
+    replicate_group: Any | None
+    rank: int
+    world_size: int
+    compute_device: torch.device
+    handle: FlatParamHandle | None
+    buffers: list[tuple[nn.Module, str]]
+    orig_buffer_dtypes: dict[tuple[int, str], torch.dtype]
+    training_state: TrainingState
+    is_root: bool | None
+    root_context: RootContext | None
+    sync_gradients: bool
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    registers_flat_param: bool
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: UnitConfig,
+        process_group: Any,
+        replicate_group: Any | None,
+        compute_device: torch.device,
+        handle: FlatParamHandle | None,
+        buffers: list[tuple[nn.Module, str]],
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+        self.compute_device = compute_device
+        self.handle = handle
+        self.buffers = buffers
+        self.orig_buffer_dtypes = {}
+        self.training_state = TrainingState.IDLE
+        self.is_root = None
+        self.root_context = None
+        self.sync_gradients = True
+        self.state_dict_type = StateDictType.FULL_STATE_DICT
+        self.state_dict_config = FullStateDictConfig()
+        self.registers_flat_param = True
+        _registry.register(module, self)
+
+    # -- tree --------------------------------------------------------------------------
+
+    @property
+    def root(self) -> RootContext:
+        assert self.root_context is not None, "FSDP state used before lazy initialisation"
+        return self.root_context
+
+    def subtree_states(self) -> list[FSDPState]:
+        """This unit and every unit below it, in module order."""
+        states = []
+        for submodule in self.module.modules():
+            state = _registry.state_of(submodule)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def lazy_init(self) -> None:
+        """Runs once, for the first unit whose forward runs (the root)."""
+        if self.is_root is not None:
+            return
+        states = self.subtree_states()
+        streams = CommStreams(self.compute_device, self.config.limit_all_gathers)
+        context = RootContext(self, states, streams)
+        for state in states:
+            state.is_root = state is self
+            state.root_context = context
+            state._init_unit()
+
+    def _init_unit(self) -> None:
+        handle = self.handle
+        if handle is not None:
+            self._check_flat_param_device(handle)
+            handle.init_flat_param_attributes()
+        for module, name in self.buffers:
+            buffer = module._buffers[name]
+            if buffer is not None:
+                self.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
+
+    def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
+        device = handle.flat_param.device
+        if self.config.cpu_offload.offload_params and device.type != "cpu":
+            raise RuntimeError(
+                "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
+                f"{device}. Make sure to not move the module from CPU when offloading parameters."
+            )
+        if not self.config.cpu_offload.offload_params and device != self.compute_device:
+            raise RuntimeError(
+                f"An FSDP-managed module unexpectedly has parameters on {device}. Make sure to "
+                f"move the module to {self.compute_device} before training."
+            )
+
+    # -- precision ----------------------------------------------------------------------
+
+    def full_precision_now(self) -> bool:
+        """Eval mode with ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes in full precision."""
+        return self.config.env.use_full_prec_in_eval and not self.module.training
+
+    def _cast_buffers(self) -> None:
+        """Buffers live in ``buffer_dtype`` (full precision in eval when asked)."""
+        target = self.config.mixed_precision.buffer_dtype
+        for module, name in self.buffers:
+            buffer = module._buffers[name]
+            if buffer is None:
+                continue
+            dtype = buffer.dtype
+            if torch.is_floating_point(buffer):
+                orig = self.orig_buffer_dtypes.get((id(module), name), buffer.dtype)
+                dtype = orig if target is None or self.full_precision_now() else target
+            if buffer.dtype != dtype or buffer.device != self.compute_device:
+                buffer.data = buffer.to(device=self.compute_device, dtype=dtype)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.lazy_init()
+        if not self.is_root:
+            return args, kwargs
+        with record_function("FSDP::root_pre_forward"):
+            context = self.root
+            context.streams.unshard_waits_for_compute()
+            for state in context.states:
+                state._cast_buffers()
+            args, kwargs = _to_device(self.compute_device, args, kwargs)
+            dtype = self.config.mixed_precision.param_dtype
+            if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
+                if not self.full_precision_now():
+                    args, kwargs = _cast_floats(dtype, args, kwargs)
+        return args, kwargs
+
+    def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.config.mixed_precision
+        if mp.cast_forward_inputs and mp.param_dtype is not None and not self.full_precision_now():
+            args, kwargs = _cast_floats(mp.param_dtype, args, kwargs)
+        handle = self.handle
+        if handle is None:
+            return args, kwargs
+        with record_function("FSDP::pre_forward"):
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle._training_state = HandleTrainingState.FORWARD
+            handle.set_force_full_precision(self.full_precision_now())
+            self.root.exec_order.record(handle)
+            self.unshard(handle)
+            self.wait_for_unshard(handle)
+            handle._use_unsharded_views(as_params=False)
+            self._register_post_backward_hook(handle)
+            if self.config.forward_prefetch:
+                self._prefetch(self.root.exec_order.forward_next(handle), HandleTrainingState.FORWARD)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        handle = self.handle
+        with record_function("FSDP::post_forward"):
+            if handle is not None:
+                strategy = self.config.sharding_strategy
+                free = not self.is_root and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+                keep_views = torch.is_grad_enabled() and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
+                self.reshard(handle, free=free, use_sharded_views=not keep_views)
+                handle._training_state = HandleTrainingState.IDLE
+            output = self._register_pre_backward_hooks(output, handle)
+            self.training_state = TrainingState.IDLE
+        return output
+
+    def _register_pre_backward_hooks(self, output: Any, handle: FlatParamHandle | None) -> Any:
+        """Registers the pre-backward hook on every output tensor that needs a gradient."""
+        if not torch.is_grad_enabled():
+            return output
+        if handle is not None:
+            handle._needs_pre_backward_unshard = False
+            handle._ran_pre_backward_hook = False
+
+        def register(tensor: Tensor) -> Tensor:
+            if tensor.requires_grad:
+                tensor.register_hook(self._make_pre_backward_hook(handle))
+                if handle is not None:
+                    handle._needs_pre_backward_unshard = True
+            return tensor
+
+        return tree_map_only(Tensor, register, output)
+
+    def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
+        """Registers the post-backward hook on the flat parameter (once: it stays)."""
+        handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+
+    # -- backward ------------------------------------------------------------------------
+
+    def _make_pre_backward_hook(self, handle: FlatParamHandle | None) -> Callable[[Tensor], Tensor]:
+        def hook(grad: Tensor) -> Tensor:
+            self._pre_backward(handle)
+            return grad
+
+        return hook
+
+    def _pre_backward(self, handle: FlatParamHandle | None) -> None:
+        context = self.root
+        if not context.backward_started:
+            context.backward_started = True
+            Variable._execution_engine.queue_callback(context.root.finalize_backward)
+        if handle is None or handle._ran_pre_backward_hook:
+            return
+        with record_function("FSDP::pre_backward"):
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle._training_state = HandleTrainingState.BACKWARD_PRE
+            if handle._needs_pre_backward_unshard:
+                self.unshard(handle)
+                self.wait_for_unshard(handle)
+                handle._use_unsharded_views(as_params=False)
+            handle.prepare_gradient_for_backward()
+            handle._ran_pre_backward_hook = True
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch(context.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE)
+
+    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[Tensor], None]:
+        def hook(flat_param: Tensor) -> None:
+            self._post_backward(handle)
+
+        return hook
+
+    def _post_backward(self, handle: FlatParamHandle) -> None:
+        with record_function("FSDP::post_backward"):
+            handle._post_backward_called = True
+            handle._training_state = HandleTrainingState.BACKWARD_POST
+            if handle.flat_param.grad is None:
+                return
+            if not self.sync_gradients:
+                if handle._use_orig_params:
+                    handle._use_unsharded_grad_views()
+                return
+            self.reshard(handle, free=True)
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._prefetch(self.root.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE)
+            self._reduce_grad(handle)
+
+    def _reduce_grad(self, handle: FlatParamHandle) -> None:
+        grad = handle.take_unsharded_grad()
+        assert grad is not None
+        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
+        with self.root.streams.on_reduce(grad):
+            reduce_dtype = handle.reduce_dtype()
+            grad = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+            if pre > 1:
+                grad.div_(pre)
+            reduced = self._reduce(handle, grad)
+            if post > 1:
+                reduced.div_(post)
+            handle.set_reduced_grad(reduced)
+
+    def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        if not handle.uses_sharded_strategy:
+            _comm.all_reduce(grad, self.process_group)
+            return grad
+        padded = grad
+        if grad.numel() != handle.padded_numel:
+            padded = torch.zeros(handle.padded_numel, dtype=grad.dtype, device=grad.device)
+            padded[: grad.numel()].copy_(grad)
+        reduced = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
+        _comm.reduce_scatter(reduced, padded, self.process_group)
+        if self.replicate_group is not None:
+            _comm.all_reduce(reduced, self.replicate_group)
+        return reduced
+
+    def _data_parallel_size(self) -> int:
+        replicas = self.replicate_group.size() if self.replicate_group is not None else 1
+        return self.world_size * replicas
+
+    def finalize_backward(self) -> None:
+        """The root's end-of-backward callback."""
+        with record_function("FSDP::post_backward_final_callback"):
+            context = self.root
+            context.streams.compute_waits_for_reduce()
+            offloads = False
+            for state in context.states:
+                state._finalize_unit()
+                offloads |= state.config.cpu_offload.offload_params
+            if offloads:
+                context.streams.synchronize()
+            context.backward_started = False
+            context.exec_order.next_iteration()
+
+    def _finalize_unit(self) -> None:
+        handle = self.handle
+        self.training_state = TrainingState.IDLE
+        if handle is None:
+            return
+        if handle.is_unsharded():
+            self.reshard(handle, free=True)
+        handle.prepare_gradient_for_optim(synced=self.sync_gradients)
+        handle.reset_iteration()
+
+    # -- unshard / reshard ------------------------------------------------------------------
+
+    def unshard(self, handle: FlatParamHandle) -> None:
+        """Makes the unsharded parameter available (communication is asynchronous
+        on CUDA: call ``wait_for_unshard`` before computing with it)."""
+        handle.writeback_orig_params(self.config.env.skip_writeback_check)
+        if handle.is_unsharded():
+            return
+        ready = handle.ready_unsharded()
+        if ready is not None:
+            handle.post_unshard(ready)
+            return
+        context = self.root
+        with context.streams.on_unshard(), record_function("FSDP::unshard"):
+            unsharded_input = handle.pre_unshard()
+            if handle.uses_sharded_strategy:
+                buffer = handle.unsharded_buffer()
+                _comm.all_gather(buffer, unsharded_input, self.process_group)
+                handle.post_unshard(buffer)
+            else:
+                handle.post_unshard(unsharded_input)
+            context.unshard_events[id(handle)] = context.streams.record_unshard()
+
+    def wait_for_unshard(self, handle: FlatParamHandle) -> None:
+        context = self.root
+        context.streams.compute_waits(context.unshard_events.pop(id(handle), None))
+
+    def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
+        if free:
+            self.root.streams.release(handle.unsharded_buffers())
+        handle.reshard(free, use_sharded_views)
+
+    def _prefetch(self, target: FlatParamHandle | None, phase: HandleTrainingState) -> None:
+        """Starts ``target``'s all-gather early; its own pre-hook later finds the
+        data ready. A target that needs no communication is left alone."""
+        if target is None or target.is_unsharded() or target._prefetched:
+            return
+        if phase.in_backward() and (
+            not target._needs_pre_backward_unshard or target._ran_pre_backward_hook
+        ):
+            return
+        state = self.root.state_of(target)
+        target.set_force_full_precision(state.full_precision_now())
+        if target.ready_unsharded() is not None:
+            return
+        with record_function("FSDP::prefetch"):
+            state.unshard(target)
+            target._prefetched = True
+            # Until its own pre-hook runs, the target keeps pointing at its shard.
+            target.reshard(False, not target._skipped_use_sharded_views)
+
+    # -- the flat parameter as a registered parameter of the wrapper --------------------
+
+    def show_flat_param(self) -> None:
+        """``use_orig_params=False``: the flat parameter is the wrapper's parameter
+        (so optimizers, ``.to()`` and ``parameters()`` see it)."""
+        handle = self.handle
+        if handle is not None and not self.config.use_orig_params and self.registers_flat_param:
+            self.module._parameters[FLAT_PARAM] = handle.flat_param
+
+    def hide_flat_param(self) -> None:
+        self.module._parameters.pop(FLAT_PARAM, None)
+
+    # -- helpers for other layers ------------------------------------------------------------
+
+    def assert_state(self, expected: TrainingState) -> None:
+        if self.training_state is not expected:
+            raise AssertionError(f"expected training state {expected}, got {self.training_state}")
+
+    @property
+    def uses_hybrid(self) -> bool:
+        return self.config.sharding_strategy in HYBRID_STRATEGIES

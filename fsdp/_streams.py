@@ -1,0 +1,123 @@
+"""Streams that let communication overlap computation (CUDA); no-ops on the CPU.
+
+[Note: Streams and the memory they touch]
+On CUDA every all-gather (with the cast or host-to-device copy that feeds it)
+runs on the *unshard* stream and every gradient reduction on the *reduce*
+stream, so communication overlaps the computation on the current stream.
+
+- The unshard stream waits for the current stream once per iteration, at the
+  root's pre-forward (the optimizer has finished updating the shards); it does
+  not wait again before each all-gather, so a prefetched all-gather runs while
+  the previous layer computes.
+- Computation waits for an unshard with an event recorded after it.
+- Unsharded storage is allocated on the unshard stream and used on the current
+  stream: before it is freed it is recorded on the current stream, so the
+  caching allocator does not hand it out again before that use has finished.
+- The reduce stream waits for the current stream before each reduction (the
+  gradient was just computed there); the gradient is recorded on the reduce
+  stream before its last reference is dropped. At the end of backward the
+  current stream waits for the reduce stream.
+- ``limit_all_gathers``: at most two unsharded buffers are in flight; before a
+  third all-gather the CPU waits until the oldest freed buffer's last use ran.
+
+On the CPU (gloo) collectives are synchronous and none of this is needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+_MAX_INFLIGHT_ALL_GATHERS = 2
+
+
+class CommStreams:
+    """The streams and events of one root's FSDP tree."""
+
+    device: torch.device
+    unshard: torch.cuda.Stream | None
+    reduce: torch.cuda.Stream | None
+    limit_all_gathers: bool
+    _free_events: collections.deque[torch.cuda.Event]
+
+    def __init__(self, device: torch.device, limit_all_gathers: bool) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.unshard = torch.cuda.Stream(device) if cuda else None
+        self.reduce = torch.cuda.Stream(device) if cuda else None
+        self.limit_all_gathers = limit_all_gathers and cuda
+        self._free_events = collections.deque()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.unshard is not None
+
+    def current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def unshard_waits_for_compute(self) -> None:
+        if self.unshard is not None:
+            self.unshard.wait_stream(self.current())
+
+    @contextlib.contextmanager
+    def on_unshard(self) -> Iterator[None]:
+        if self.unshard is None:
+            yield
+            return
+        self._throttle()
+        with torch.cuda.stream(self.unshard):
+            yield
+
+    def record_unshard(self) -> torch.cuda.Event | None:
+        """An event after the work just issued on the unshard stream."""
+        if self.unshard is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.unshard)
+        return event
+
+    def compute_waits(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self.current().wait_event(event)
+
+    def release(self, tensors: list[Tensor]) -> None:
+        """``tensors`` (allocated on the unshard stream) are about to be freed
+        after use on the current stream."""
+        if self.unshard is None:
+            return
+        current = self.current()
+        for tensor in tensors:
+            if tensor.untyped_storage().size() > 0:
+                tensor.record_stream(current)
+        if self.limit_all_gathers:
+            event = torch.cuda.Event()
+            event.record(current)
+            self._free_events.append(event)
+
+    def _throttle(self) -> None:
+        while len(self._free_events) >= _MAX_INFLIGHT_ALL_GATHERS:
+            self._free_events.popleft().synchronize()
+
+    @contextlib.contextmanager
+    def on_reduce(self, grad: Tensor) -> Iterator[None]:
+        """Runs a reduction of ``grad`` (computed on the current stream)."""
+        if self.reduce is None:
+            yield
+            return
+        self.reduce.wait_stream(self.current())
+        grad.record_stream(self.reduce)
+        with torch.cuda.stream(self.reduce):
+            yield
+
+    def compute_waits_for_reduce(self) -> None:
+        if self.reduce is not None:
+            self.current().wait_stream(self.reduce)
+
+    def synchronize(self) -> None:
+        """The CPU waits for the device (before the optimizer reads CPU gradients)."""
+        if self.is_cuda:
+            self.current().synchronize()
