@@ -25,8 +25,15 @@ import torch.distributed as dist
 
 
 class Collective(enum.Enum):
-    ALL_GATHER = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
-    REDUCE_SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+    # The list forms (``all_gather(tensor_list, tensor)``) are included: torch's
+    # FSDP uses them for CPU tensors.
+    ALL_GATHER = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+    REDUCE_SCATTER = (
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "reduce_scatter",
+    )
     ALL_REDUCE = ("all_reduce",)
 
     def names(self) -> list[str]:
@@ -99,8 +106,22 @@ class CollectiveCall:
     group_size: int
 
 
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch.Tensor] | None:
+    """(output numel, input tensor) of a collective call: the output is the first
+    operand (a tensor, or a list of tensors for the list forms), the input the
+    last (for all-reduce the one tensor is both)."""
+    operands = [
+        x
+        for x in (*args, *kwargs.values())
+        if isinstance(x, torch.Tensor)
+        or (isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x))
+    ]
+    if not operands:
+        return None
+    first, last = operands[0], operands[-1]
+    out_numel = first.numel() if isinstance(first, torch.Tensor) else sum(t.numel() for t in first)
+    inp = last if isinstance(last, torch.Tensor) else last[0]
+    return out_numel, inp
 
 
 def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -113,8 +134,7 @@ def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 class CollectiveRecorder:
     """Records every all-gather, reduce-scatter and all-reduce, in call order.
 
-    For the single-tensor collectives the first tensor argument is the output
-    and the second the input; for all-reduce the one tensor is both.
+    See ``_operands`` for what counts as input and output.
     """
 
     def __init__(self, kinds: tuple[Collective, ...] = tuple(Collective)) -> None:
@@ -127,12 +147,11 @@ class CollectiveRecorder:
 
     def _handler(self, kind: Collective) -> Callable[..., Any]:
         def record(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            tensors = _tensors(args, kwargs)
-            out, inp = (tensors[0], tensors[-1]) if tensors else (None, None)
-            if out is not None and inp is not None:
-                self.calls.append(
-                    CollectiveCall(kind, inp.dtype, inp.numel(), out.numel(), _group_size(args, kwargs))
-                )
+            operands = _operands(args, kwargs)
+            if operands is not None:
+                out_numel, inp = operands
+                call = CollectiveCall(kind, inp.dtype, inp.numel(), out_numel, _group_size(args, kwargs))
+                self.calls.append(call)
             return orig(*args, **kwargs)
 
         return record

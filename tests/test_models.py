@@ -104,9 +104,8 @@ class TestModelInit(FSDPTest):
         fsdp_kwargs = FSDP_KWARGS.get(model_class, {})
         model = model_class.init(self.process_group, fsdp_init_mode, device_init_mode, fsdp_kwargs)
         self.assertEqual(len(fsdp_units(model)), self._expected_units(model_class, wraps))
-        expected_device = (
-            torch.device("cpu") if device_init_mode is DeviceInitMode.NEVER else self.device
-        )
+        moved = device_init_mode.is_before() or (wraps and device_init_mode.is_after())
+        expected_device = self.device if moved else torch.device("cpu")
         for name, param in model.named_parameters():
             self.assertEqual(param.device, expected_device, f"{name} on the wrong device")
         if expected_device == self.device:  # inputs are always on the test's device
@@ -278,8 +277,11 @@ class TestParity(FSDPTest):
     ) -> None:
         """Parity holds with and without parameter offloading; moving an offloading
         model to the GPU after wrapping fails as documented."""
+        modes = [DeviceInitMode.BEFORE, DeviceInitMode.AFTER]
+        if cpu_offload.offload_params or self.device.type == "cpu":
+            modes.append(DeviceInitMode.NEVER)  # else FSDP finds CPU parameters on the GPU
         self.run_subtests(
-            {"cuda_init_mode": list(DeviceInitMode)},
+            {"cuda_init_mode": modes},
             self._test_fsdp_parity,
             NestedWrappedModule,
             FSDPInitMode.RECURSIVE,

@@ -1,0 +1,83 @@
+"""The collective patches see the collectives of whichever FSDP is under test."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import FSDPTest
+from harness.collectives import (
+    Collective,
+    CollectiveRecorder,
+    current,
+    patch_reduce_scatter,
+)
+from harness.fsdp_api import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3))
+
+
+class TestCollectivePatches(FSDPTest):
+    def test_recorder_sees_every_all_gather_and_reduce_scatter(self):
+        """FULL_SHARD with three inner units and a root without parameters of its
+        own: one all-gather per unit in forward, one more per non-root unit in
+        backward, one reduce-scatter per unit, each in the reduce dtype."""
+        model = FSDP(
+            _model(),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            mixed_precision=MixedPrecision(reduce_dtype=torch.float16),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        model(torch.randn(4, 6, device=self.device)).sum().backward()  # warm-up iteration
+        with CollectiveRecorder() as recorder:
+            model(torch.randn(4, 6, device=self.device)).sum().backward()
+        gathers = recorder.of(Collective.ALL_GATHER)
+        scatters = recorder.of(Collective.REDUCE_SCATTER)
+        self.assertEqual(len(scatters), 3)
+        self.assertEqual({c.input_dtype for c in scatters}, {torch.float16})
+        self.assertEqual({c.group_size for c in scatters}, {self.world_size})
+        # forward: 3 units; backward: the 3 units were freed after forward
+        # (none of them is the root), so each is gathered again
+        self.assertEqual(len(gathers), 6)
+
+    def test_stacked_patches_each_see_a_call_once(self):
+        """A patch calls the function that was current when it was made, so a
+        patch made inside a recorder reaches the recorder too."""
+        seen: list[torch.dtype] = []
+        model = FSDP(_model(), sharding_strategy=ShardingStrategy.FULL_SHARD)
+        with CollectiveRecorder() as recorder:
+            original = current(Collective.REDUCE_SCATTER)
+
+            def validate(*args: object, **kwargs: object) -> object:
+                seen.append(next(a for a in args if isinstance(a, torch.Tensor)).dtype)
+                return original(*args, **kwargs)
+
+            with patch_reduce_scatter(validate):
+                model(torch.randn(4, 6, device=self.device)).sum().backward()
+        self.assertEqual(len(seen), 1)
+        self.assertEqual(len(recorder.of(Collective.REDUCE_SCATTER)), 1)
+
+    def test_old_and_new_names_count_once(self):
+        """On torch 2.13 the old name calls the new one: one call, one record."""
+        out = torch.empty(2, device=self.device)
+        inp = torch.ones(2 * self.world_size, device=self.device)
+        names = [n for n in Collective.REDUCE_SCATTER.names() if n != "reduce_scatter"]
+        with CollectiveRecorder() as recorder:
+            for name in names:
+                getattr(dist, name)(out, inp)
+        self.assertEqual(len(recorder.of(Collective.REDUCE_SCATTER)), len(names))
+        self.assertEqual(out, torch.full((2,), float(self.world_size), device=self.device))
+
+    def test_patch_is_restored(self):
+        before = {name: getattr(dist, name) for name in Collective.ALL_GATHER.names()}
+        with patch_reduce_scatter(functools.partial(current(Collective.REDUCE_SCATTER))):
+            pass
+        with CollectiveRecorder():
+            pass
+        self.assertEqual({n: getattr(dist, n) for n in before}, before)

@@ -1,0 +1,113 @@
+"""In-process tests of the harness's pure pieces: assertions, ids, subtest
+selection, GPU slicing under xdist."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+import torch
+
+from harness.assertions import Assertions, assert_equal
+from harness.devices import DevicePlan, gpu_slice
+from harness.parametrize import parametrize, subtest_name, value_id
+from harness.subtests import combinations, matches, parse_filter, render_config
+
+
+class Mode(enum.Enum):
+    BEFORE = 1
+    AFTER = 2
+
+
+def test_assert_equal_follows_assert_close_for_tensors():
+    assert_equal(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-7]))
+    with pytest.raises(AssertionError, match="Tensors are not equal"):
+        assert_equal(torch.tensor([1.0]), torch.tensor([1.1]))
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_equal(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    assert_equal(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64), exact_dtype=False)
+
+
+def test_assert_equal_compares_sequences_elementwise():
+    assert_equal((7, 3), [7, 3])
+    assert_equal(torch.Size([5, 7]), (5, 7))
+    assert_equal([torch.ones(2), (1, 2)], (torch.ones(2), [1, 2]))
+    with pytest.raises(AssertionError, match=r"at \[1\]"):
+        assert_equal([1, 2], [1, 3])
+    with pytest.raises(AssertionError, match="different lengths"):
+        assert_equal([1], [1, 2])
+
+
+def test_assert_not_equal_and_messages():
+    checks = Assertions()
+    checks.assertNotEqual(torch.ones(2), torch.zeros(2))
+    with pytest.raises(AssertionError, match="extra context"):
+        checks.assertNotEqual(torch.ones(2), torch.ones(2), msg="extra context")
+    with pytest.raises(AssertionError, match="why it matters"):
+        checks.assertEqual(1, 2, msg="why it matters")
+    checks.assertEqual(torch.float16, torch.float16)
+    with checks.assertRaisesRegex(ValueError, "bad"):
+        raise ValueError("bad input")
+    with checks.assertWarnsRegex(UserWarning, "careful"):
+        import warnings
+
+        warnings.warn("careful now", stacklevel=1)
+
+
+def test_seed_style_ids():
+    mapping = {"a": "x", "b": "y"}
+    assert subtest_name(mapping, "a", None, "b") == "x-none-y"
+    assert value_id(torch.float32) == "float32"
+    assert value_id(Mode.AFTER) == "AFTER"
+    mark = parametrize("m,flag", [(Mode.BEFORE, True), (Mode.AFTER, False)])
+    assert mark.kwargs["ids"] == ["BEFORE-True", "AFTER-False"]
+    mark = parametrize("a,b", [("a", "b")], lambda *v: subtest_name(mapping, *v))
+    assert mark.kwargs["ids"] == ["x-y"]
+    assert mark.args[0] == ["a", "b"]
+
+
+def test_subtest_rendering_round_trips_through_the_filter():
+    config = {"mode": [Mode.BEFORE, Mode.AFTER], "n": [1, 2], "cls": [torch.optim.Adam, None]}
+    combos = list(combinations(config))
+    assert len(combos) == 8 and [c.index for c in combos] == list(range(8))
+    rendered = combos[5].render()
+    assert rendered == "mode=AFTER, n=1, cls=None"
+    wanted = parse_filter(rendered)
+    selected = [c for c in combos if matches(c.kwargs, wanted)]
+    assert selected == [combos[5]]
+    assert render_config({"cls": torch.optim.Adam}) == "cls=Adam"
+    assert matches({"mode": Mode.AFTER}, parse_filter("mode=Mode.AFTER"))
+    assert not matches({"mode": Mode.AFTER}, parse_filter("other=1"))
+    with pytest.raises(ValueError, match="key=value"):
+        parse_filter("justakey")
+
+
+@pytest.mark.parametrize(
+    "gpus, worker, expected",
+    [
+        (("0", "1", "2", "3"), (0, 2), ("0", "1")),
+        (("0", "1", "2", "3"), (1, 2), ("2", "3")),
+        (("0", "1", "2"), (2, 3), ("2",)),
+        (("4", "6"), (0, 4), ()),
+        (("4", "6"), (1, 4), ("4",)),
+        (("0", "1"), None, ("0", "1")),
+    ],
+)
+def test_gpu_slices_are_disjoint(gpus, worker, expected):
+    assert gpu_slice(gpus, worker) == expected
+
+
+def test_gpu_slices_cover_every_gpu_once():
+    gpus = tuple(str(i) for i in range(8))
+    slices = [gpu_slice(gpus, (i, 3)) for i in range(3)]
+    assert sorted(g for s in slices for g in s) == list(gpus)
+
+
+def test_placement_under_each_device_option():
+    two = DevicePlan("auto", ("2", "3"), (1, 2))
+    assert two.placement(2) == ("cuda", "nccl", "2,3")
+    assert two.placement(4) == ("cpu", "gloo", "")
+    strict = DevicePlan("cuda", ("2",), (1, 2))
+    reason = strict.placement(2)
+    assert reason == "needs 2 GPUs but xdist worker gw1 of 2 owns GPUs [2]"
+    assert DevicePlan("cpu", (), None).placement(2) == ("cpu", "gloo", "")
