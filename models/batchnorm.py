@@ -13,6 +13,12 @@ class BatchNormNet(nn.Module):
     units, and the three dimensionalities could not share one input anyway.
     """
 
+    lin: nn.Linear
+    bn1: nn.BatchNorm1d
+    bn2: nn.BatchNorm2d
+    bn3: nn.BatchNorm3d
+    sync_bn: nn.SyncBatchNorm
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(10, 10, bias=False)

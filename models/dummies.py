@@ -13,6 +13,8 @@ class DummyDDP(nn.Module):
     gradients in ``run_backward`` (``MixtureOfExperts``), where DDP's all-reduce
     would be wrong for the rank-local expert parameters."""
 
+    module: nn.Module
+
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
@@ -39,6 +41,9 @@ class DummyProcessGroup:
 
     Its ``allreduce`` completes at once without touching the tensors.
     """
+
+    _rank: int
+    _size: int
 
     def __init__(self, rank: int, size: int) -> None:
         self._rank = rank

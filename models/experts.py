@@ -13,7 +13,7 @@ parameters only, by hand.
 from __future__ import annotations
 
 import pkgutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from unittest import mock
 
@@ -67,7 +67,7 @@ class MixtureOfExperts(NestedWrappedModule):
         expert = layers.linear(_D_EXPERT, _D_SHARED)
         layers.seed(_SHARED_SEED)
         shared = layers.linear(_D_SHARED, _D_EXPERT)
-        if layers.wrap_fsdp:
+        if layers.wrap_fsdp:  # a group of one rank: see [Note: Expert parameters are rank-local]
             expert = layers.wrap(expert, dist.new_group([self.rank]))
             shared = layers.wrap(shared)
         return nn.Sequential(
@@ -83,7 +83,7 @@ class MixtureOfExperts(NestedWrappedModule):
         with mock.patch(SEAMS.reshard, self._delayed_reshard()):
             return self.module(x)
 
-    def _delayed_reshard(self) -> Any:
+    def _delayed_reshard(self) -> Callable[..., Any]:
         reshard = pkgutil.resolve_name(SEAMS.reshard)
 
         def delayed_reshard(*args: Any, **kwargs: Any) -> Any:

@@ -13,6 +13,10 @@ class SaveForwardInputsModule(nn.Module):
     otherwise a dtype mismatch fails in the linear layer.
     """
 
+    l: nn.Linear  # noqa: E741 - the upstream name, which tests reach
+    forward_inputs: dict[nn.Module, torch.Tensor]
+    cast_forward_inputs: bool
+
     def __init__(
         self, forward_inputs: dict[nn.Module, torch.Tensor], cast_forward_inputs: bool
     ) -> None:
@@ -29,6 +33,10 @@ class SaveForwardInputsModule(nn.Module):
 class SaveForwardInputsModel(nn.Module):
     """Two ``SaveForwardInputsModule`` in sequence (``c1``, then ``c2``) sharing one
     ``forward_inputs`` dict; the model records its own input there too."""
+
+    c1: SaveForwardInputsModule
+    c2: SaveForwardInputsModule
+    forward_inputs: dict[nn.Module, torch.Tensor]
 
     def __init__(
         self, forward_inputs: dict[nn.Module, torch.Tensor], cast_forward_inputs: bool

@@ -24,6 +24,13 @@ _LAYERS = 4
 class LoraAttention(nn.Module):
     """Single-head self-attention whose query projection carries a rank-8 adapter."""
 
+    q_proj: nn.Linear
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+
     def __init__(self) -> None:
         super().__init__()
         self.q_proj = nn.Linear(_D_MODEL, _D_MODEL, bias=False)
@@ -45,6 +52,9 @@ class LoraAttention(nn.Module):
 class LoraMLP(nn.Module):
     """A frozen two-layer MLP (32 -> 128 -> 32)."""
 
+    proj1: nn.Linear
+    proj2: nn.Linear
+
     def __init__(self) -> None:
         super().__init__()
         self.proj1 = nn.Linear(_D_MODEL, _D_HIDDEN, bias=False)
@@ -58,6 +68,11 @@ class LoraMLP(nn.Module):
 
 class LoraDecoder(nn.Module):
     """A pre-norm decoder layer: attention and MLP, each as a residual branch."""
+
+    attn: LoraAttention
+    mlp: LoraMLP
+    inp_layernorm: nn.LayerNorm
+    post_attn_layernorm: nn.LayerNorm
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,6 +92,10 @@ class LoraDecoder(nn.Module):
 class LoraModel(nn.Module):
     """This is a toy LoRA decoder model: an embedding of 100 tokens into 32 features,
     4 ``LoraDecoder`` layers and a final layer norm."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.LayerNorm
 
     def __init__(self) -> None:
         super().__init__()

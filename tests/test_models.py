@@ -20,9 +20,11 @@ from harness.fsdp_api import (
 )
 from harness.parity import (
     EXACT,
+    REORDERED_FP32,
     ParityConfig,
     check_fsdp_parity,
     full_parameters,
+    low_precision_tolerance,
     reference_parameters,
 )
 from models import (
@@ -255,18 +257,23 @@ class TestParity(FSDPTest):
         )
 
     def test_nested_wrapped_model_single_iteration_mixed_precision(self) -> None:
-        """One fp16 step of FSDP matches the reference under fp16 autocast."""
+        """One mixed-precision step of FSDP matches the reference (under fp16 autocast
+        when parameters compute in fp16)."""
         fp16 = MixedPrecision(
             param_dtype=torch.float16, buffer_dtype=torch.float16, reduce_dtype=torch.float16
         )
+        reduce_only = MixedPrecision(reduce_dtype=torch.float16)
         self.run_subtests(
-            {"sharding_strategy": STRATEGIES, "use_orig_params": [False, True]},
+            {
+                "mixed_precision": [fp16, reduce_only],
+                "sharding_strategy": STRATEGIES,
+                "use_orig_params": [False, True],
+            },
             self._test_fsdp_parity,
             NestedWrappedModule,
             FSDPInitMode.RECURSIVE,
             cuda_init_mode=DeviceInitMode.BEFORE,
             num_iters=1,
-            mixed_precision=fp16,
         )
 
     @pytest.mark.parametrize(
@@ -340,7 +347,48 @@ class TestTrainForSeveralSteps(FSDPTest):
         self.assertEqual(params[0], params[1], rtol=EXACT.rtol, atol=EXACT.atol)
 
 
-# Single-process checks of the plain models.
+# Single-process checks of the parity configuration and of the plain models.
+
+
+def test_tolerance_is_exact_in_full_precision_with_two_ranks() -> None:
+    """``MixedPrecision()`` sets no dtype, so it is full precision."""
+    for mixed_precision in (None, MixedPrecision()):
+        config = ParityConfig(
+            FSDPInitMode.RECURSIVE, DeviceInitMode.BEFORE, mixed_precision=mixed_precision
+        )
+        assert config.full_precision()
+        assert config.tolerance(world_size=2) == EXACT
+        assert config.tolerance(world_size=4) == REORDERED_FP32
+
+
+def test_tolerance_follows_the_least_precise_dtype() -> None:
+    fp16_bf16 = MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.bfloat16)
+    for mixed_precision, use_pure_fp16, dtype in (
+        (MixedPrecision(reduce_dtype=torch.float16), False, torch.float16),
+        (fp16_bf16, False, torch.bfloat16),
+        (None, True, torch.float16),
+    ):
+        config = ParityConfig(
+            FSDPInitMode.RECURSIVE,
+            DeviceInitMode.BEFORE,
+            mixed_precision=mixed_precision,
+            use_pure_fp16=use_pure_fp16,
+        )
+        assert not config.full_precision()
+        assert config.tolerance(world_size=2) == low_precision_tolerance(dtype)
+
+
+def test_reference_autocasts_only_with_a_param_dtype() -> None:
+    """Without ``param_dtype`` FSDP computes in full precision, so the reference must too."""
+    for mixed_precision, autocast in (
+        (MixedPrecision(param_dtype=torch.float16), True),
+        (MixedPrecision(reduce_dtype=torch.float16), False),
+    ):
+        config = ParityConfig(
+            FSDPInitMode.RECURSIVE, DeviceInitMode.BEFORE, mixed_precision=mixed_precision
+        )
+        assert config.train_options(reference=True).autocast is autocast
+        assert config.train_options(reference=False).autocast is False
 
 
 def test_lora_model_trains_only_the_adapters() -> None:
