@@ -1,22 +1,24 @@
 """State dicts of FSDP units: hooks that make ``state_dict()`` / ``load_state_dict()``
 speak the unwrapped module's names.
 
-[Note: Full state dicts through module hooks]
-``nn.Module.state_dict`` recurses through children, calling each module's hooks.
-Each unit registers four hooks:
+[Note: State dicts through module hooks]
+``nn.Module.state_dict`` recurses through children, calling each module's hooks,
+so each unit registers four hooks and handles its own keys; nested units do the
+same for theirs while the enclosing unit is unsharded, and every key is cleaned
+exactly once. Keys lose the wrapper prefix (``_fsdp_wrapped_module.``); buffers
+are saved in their original dtype (they may live in ``buffer_dtype``).
 
-- state_dict pre-hook: unshard in full precision and expose the original
-  parameters (as for summon_full_params), hide the flat parameter;
-- state_dict post-hook: drop the wrapper prefix from the keys under this unit,
-  clone the parameter entries (they are views into storage that is freed next),
-  restore buffers to their original dtypes, apply ``offload_to_cpu`` /
-  ``rank0_only``, then reshard;
-- load pre-hook: unshard and expose the original parameters, and insert the
-  wrapper prefix into the keys under this unit so they reach them;
-- load post-hook: write the loaded values back into the shard, reshard, and
-  drop the flat parameter from the missing keys.
-Nested units do the same for their own keys while the enclosing unit is
-unsharded, so every key is cleaned exactly once.
+- ``FULL_STATE_DICT``: save unshards in full precision and exposes the original
+  parameters, so the module saves them; entries are cloned (their storage is
+  freed right after). ``rank0_only`` leaves other ranks' dicts empty,
+  ``offload_to_cpu`` returns CPU tensors. Load unshards, lets the module copy
+  into the exposed parameters, then writes each rank's part back into its shard.
+- ``SHARDED_STATE_DICT``: like full, but each parameter is saved as a
+  ``DTensor`` sharded on dim 0 over the unit's process group (``torch.chunk``
+  layout), holding only this rank's rows. Loading gathers the rows back.
+- ``LOCAL_STATE_DICT``: the unit's flat shard itself under ``_flat_param``
+  (padded, full precision), with no communication; loads only into the same
+  world size and wrapping.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, HandleTrainingState, TrainingState, clean_tensor_name
+from fsdp._common import (
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    HandleTrainingState,
+    TrainingState,
+    clean_tensor_name,
+)
 from fsdp._runtime import FSDPState
 from fsdp._unshard_params import ensure_initialized
 from fsdp.api import FullStateDictConfig, StateDictType
-
-
-def _check_supported(state: FSDPState) -> None:
-    if state.state_dict_type is not StateDictType.FULL_STATE_DICT:
-        raise NotImplementedError(f"{state.state_dict_type} is not supported yet")
 
 
 def _unshard_for_checkpoint(state: FSDPState) -> None:
@@ -68,61 +71,192 @@ def _reshard_after_checkpoint(state: FSDPState, writeback: bool) -> None:
         state.training_state = TrainingState.IDLE
 
 
+def _clean_key(prefix: str, names: dict[int, str], module: nn.Module, name: str) -> str | None:
+    path = names.get(id(module))
+    if path is None:
+        return None
+    return prefix + clean_tensor_name(f"{path}.{name}".lstrip("."))
+
+
+class _UnitKeys:
+    """The clean state-dict keys of one unit's parameters and buffers."""
+
+    params: dict[str, int]  # key -> index of the parameter in the flat parameter
+    buffer_dtypes: dict[str, torch.dtype]
+
+    def __init__(self, state: FSDPState, prefix: str) -> None:
+        names = {id(m): n for n, m in state.module.named_modules(remove_duplicate=False)}
+        self.params = {}
+        if state.handle is not None:
+            for i, info in enumerate(state.handle.param_infos()):
+                key = _clean_key(prefix, names, info.module, info.param_name)
+                if key is not None:
+                    self.params[key] = i
+        self.buffer_dtypes = {}
+        for module, name in state.buffers:
+            dtype = state.orig_buffer_dtypes.get((id(module), name))
+            key = _clean_key(prefix, names, module, name)
+            if dtype is not None and key is not None:
+                self.buffer_dtypes[key] = dtype
+
+
+def _clean_entries(state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """Drops the wrapper prefix from the keys under ``prefix``; returns them."""
+    keys = []
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict.pop(key)
+        clean = prefix + clean_tensor_name(key[len(prefix) :])
+        state_dict[clean] = value
+        keys.append(clean)
+    return keys
+
+
+def _prefix_entries(state_dict: dict[str, Any], prefix: str) -> None:
+    """Inserts the wrapper prefix into the keys under ``prefix``."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if not rest.startswith(FSDP_PREFIX):
+            state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
+
+
+def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Tensor:
+    value = value.detach().clone() if dtype is None else value.detach().to(dtype, copy=True)
+    return value.cpu() if offload_to_cpu else value
+
+
+class _FullStateDict:
+    def pre_save(self, state: FSDPState) -> None:
+        _unshard_for_checkpoint(state)
+
+    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        config = state.state_dict_config
+        assert isinstance(config, FullStateDictConfig)
+        keys = _UnitKeys(state, prefix)
+        state_dict.pop(prefix + FLAT_PARAM, None)
+        for key in _clean_entries(state_dict, prefix):
+            if config.rank0_only and state.rank != 0:
+                del state_dict[key]
+            elif isinstance(state_dict[key], Tensor):
+                state_dict[key] = _saved(
+                    state_dict[key], keys.buffer_dtypes.get(key), config.offload_to_cpu
+                )
+        _reshard_after_checkpoint(state, writeback=False)
+
+    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        _unshard_for_checkpoint(state)
+        _prefix_entries(state_dict, prefix)
+
+    def post_load(self, state: FSDPState) -> None:
+        _reshard_after_checkpoint(state, writeback=True)
+
+
+class _ShardedStateDict(_FullStateDict):
+    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        keys = _UnitKeys(state, prefix)
+        state_dict.pop(prefix + FLAT_PARAM, None)
+        offload = state.state_dict_config.offload_to_cpu
+        for key in _clean_entries(state_dict, prefix):
+            value = state_dict[key]
+            if key in keys.params:
+                state_dict[key] = _row_shard(value, state, offload)
+            elif isinstance(value, Tensor):
+                state_dict[key] = _saved(value, keys.buffer_dtypes.get(key), offload)
+        _reshard_after_checkpoint(state, writeback=False)
+
+    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        # Every rank gathers the same parameters in the same (flat) order.
+        keys = _UnitKeys(state, prefix)
+        for key in sorted(keys.params, key=keys.params.__getitem__):
+            value = state_dict.get(key)
+            if value is not None and hasattr(value, "full_tensor"):
+                state_dict[key] = value.full_tensor()
+        super().pre_load(state, state_dict, prefix)
+
+
+def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
+    """This rank's rows of ``value`` as a DTensor sharded on dim 0."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
+    full = value.detach()
+    if full.dim() == 0:
+        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
+    chunks = torch.chunk(full, state.world_size, dim=0)
+    local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
+    local = local.clone()
+    local = local.cpu() if offload_to_cpu else local
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+class _LocalStateDict:
+    def pre_save(self, state: FSDPState) -> None:
+        pass
+
+    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        keys = _UnitKeys(state, prefix)
+        offload = state.state_dict_config.offload_to_cpu
+        for key in _clean_entries(state_dict, prefix):
+            if key in keys.params:
+                del state_dict[key]  # original parameters (views) are not local state
+            elif isinstance(state_dict[key], Tensor):
+                state_dict[key] = _saved(state_dict[key], keys.buffer_dtypes.get(key), offload)
+        if state.handle is not None:
+            shard = state.handle.flat_param._local_shard
+            state_dict[prefix + FLAT_PARAM] = _saved(shard, None, offload)
+
+    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+        handle = state.handle
+        key = prefix + FLAT_PARAM
+        if handle is not None and key in state_dict:
+            with torch.no_grad():
+                handle.flat_param._local_shard.copy_(state_dict.pop(key))
+        _prefix_entries(state_dict, prefix)
+
+    def post_load(self, state: FSDPState) -> None:
+        handle = state.handle
+        if handle is not None and handle._use_orig_params:
+            handle._use_sharded_views()
+
+
+_KINDS: dict[StateDictType, Any] = {
+    StateDictType.FULL_STATE_DICT: _FullStateDict(),
+    StateDictType.SHARDED_STATE_DICT: _ShardedStateDict(),
+    StateDictType.LOCAL_STATE_DICT: _LocalStateDict(),
+}
+
+
 class StateDictHooks:
-    """The four hooks of one unit (see the module note)."""
+    """The four state-dict hooks of one unit; the unit's state-dict type picks
+    what they do."""
 
     state: FSDPState
+    _load_prefix: str
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
+        self._load_prefix = ""
 
     def register(self, module: nn.Module) -> None:
         # torch tags hook objects with attributes: hand it partials, not bound methods
-        module.register_state_dict_pre_hook(functools.partial(StateDictHooks.pre_state_dict, self))
-        module.register_state_dict_post_hook(functools.partial(StateDictHooks.post_state_dict, self))
+        module.register_state_dict_pre_hook(functools.partial(StateDictHooks.pre_save, self))
+        module.register_state_dict_post_hook(functools.partial(StateDictHooks.post_save, self))
         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.pre_load, self))
         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.post_load, self))
 
-    def pre_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        _check_supported(self.state)
-        ensure_initialized(module)
-        _unshard_for_checkpoint(self.state)
+    def _kind(self) -> Any:
+        return _KINDS[self.state.state_dict_type]
 
-    def post_state_dict(
+    def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        ensure_initialized(module)
+        self._kind().pre_save(self.state)
+
+    def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        state = self.state
-        config = state.state_dict_config
-        assert isinstance(config, FullStateDictConfig)
-        drop = config.rank0_only and state.rank != 0
-        buffer_dtypes = self._buffer_dtypes(prefix)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            value = state_dict.pop(key)
-            if drop or key == prefix + FLAT_PARAM:
-                continue
-            clean = prefix + clean_tensor_name(key[len(prefix) :])
-            state_dict[clean] = self._checkpoint_value(value, buffer_dtypes.get(clean), config)
-        _reshard_after_checkpoint(state, writeback=False)
-
-    def _buffer_dtypes(self, prefix: str) -> dict[str, torch.dtype]:
-        """Original dtypes of this unit's buffers, by their clean state-dict key."""
-        state = self.state
-        names = {id(m): n for n, m in state.module.named_modules()}
-        dtypes = {}
-        for module, name in state.buffers:
-            dtype = state.orig_buffer_dtypes.get((id(module), name))
-            if dtype is not None and id(module) in names:
-                path = f"{names[id(module)]}.{name}".lstrip(".")
-                dtypes[prefix + clean_tensor_name(path)] = dtype
-        return dtypes
-
-    def _checkpoint_value(
-        self, value: Any, dtype: torch.dtype | None, config: FullStateDictConfig
-    ) -> Any:
-        if not isinstance(value, Tensor):
-            return value
-        value = value.detach().clone() if dtype is None else value.detach().to(dtype, copy=True)
-        return value.cpu() if config.offload_to_cpu else value
+        self._kind().post_save(self.state, state_dict, prefix)
 
     def pre_load(
         self,
@@ -135,15 +269,23 @@ class StateDictHooks:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        _check_supported(self.state)
         ensure_initialized(module)
-        _unshard_for_checkpoint(self.state)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            rest = key[len(prefix) :]
-            if not rest.startswith(FSDP_PREFIX):
-                state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
+        self._load_prefix = prefix
+        self._kind().pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        missing = incompatible_keys.missing_keys
-        missing[:] = [k for k in missing if not k.endswith(FLAT_PARAM)]
-        _reshard_after_checkpoint(self.state, writeback=True)
+        prefix = self._load_prefix
+        unit_keys: set[str] = set()
+        if self.state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            params = _UnitKeys(self.state, prefix).params
+            unit_keys = {_with_wrapper_prefix(k, prefix) for k in params}
+        incompatible_keys.missing_keys[:] = [
+            k
+            for k in incompatible_keys.missing_keys
+            if k != prefix + FLAT_PARAM and k not in unit_keys
+        ]
+        self._kind().post_load(self.state)
+
+
+def _with_wrapper_prefix(key: str, prefix: str) -> str:
+    return prefix + FSDP_PREFIX + key[len(prefix) :]
