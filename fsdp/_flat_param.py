@@ -252,6 +252,7 @@ class FlatParamHandle:
     _skipped_use_sharded_views: bool
     _saved_grad_shard: Tensor | None  # a gradient from an earlier backward
     _reduced_grad: Tensor | None  # this backward's reduced (sharded) gradient
+    _summoned_grad: Tensor | None  # the unsharded gradient inside summon(with_grads)
     _needs_pre_backward_unshard: bool
     _ran_pre_backward_hook: bool
     _post_backward_called: bool
@@ -303,6 +304,7 @@ class FlatParamHandle:
         self._skipped_use_sharded_views = False
         self._saved_grad_shard = None
         self._reduced_grad = None
+        self._summoned_grad = None
         self._needs_pre_backward_unshard = False
         self._ran_pre_backward_hook = False
         self._post_backward_called = False
@@ -666,6 +668,26 @@ class FlatParamHandle:
         for i, param in enumerate(self._params):
             view = self._grad_view(i, grad) if grad is not None and param.requires_grad else None
             _assign_grad(param, view)
+
+    def sharded_grad_or_zeros(self) -> Tensor:
+        grad = self._sharded_flat_grad()
+        if grad is None:
+            grad = torch.zeros_like(self.flat_param._local_shard)
+        return grad.to(self.device).contiguous()
+
+    def use_unsharded_grad(self, unsharded: Tensor) -> None:
+        """Exposes ``unsharded`` (an unsharded flat gradient) on the original
+        parameters, which are unsharded views at this point."""
+        self._summoned_grad = unsharded
+        for param, view in zip(self._params, self._get_unflat_views(unsharded)):
+            _assign_grad(param, view if param.requires_grad else None)
+
+    def drop_unsharded_grad(self) -> None:
+        """Back to the sharded gradient views after with_grads."""
+        if self._summoned_grad is None:
+            return
+        self._summoned_grad = None
+        self._use_sharded_grad_views()
 
     def _use_unsharded_grad_views(self) -> None:
         """Under ``no_sync`` the accumulated gradient is unsharded."""

@@ -464,6 +464,17 @@ class FSDPState:
         context = self.root
         context.streams.compute_waits(context.unshard_events.pop(id(handle), None))
 
+    def unshard_grad(self, handle: FlatParamHandle) -> None:
+        """All-gathers the sharded gradient (zeros where there is none) and
+        exposes it on the original parameters (summon_full_params(with_grads))."""
+        sharded = handle.sharded_grad_or_zeros()
+        if handle.uses_sharded_strategy:
+            unsharded = torch.empty(handle.padded_numel, dtype=sharded.dtype, device=sharded.device)
+            _comm.all_gather(unsharded, sharded, self.process_group)
+        else:
+            unsharded = sharded
+        handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])
+
     def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
         if free:
             self.root.streams.release(handle.unsharded_buffers())

@@ -11,7 +11,7 @@ kept since forward (no-reshard strategies) is dropped and rebuilt when needed,
 so it can never be stale. Units already summoned by an enclosing call are left
 to it. ``rank0_only`` unshards on rank 0 only; ``offload_to_cpu`` exposes CPU
 copies (no writeback then); ``with_grads`` also exposes unsharded gradients
-(not supported yet).
+(``use_orig_params=True`` only; the sharded gradients are untouched).
 """
 
 from __future__ import annotations
@@ -51,16 +51,17 @@ def _validate(
     for state in states:
         if state.training_state is TrainingState.FORWARD_BACKWARD:
             raise AssertionError("Cannot manually unshard parameters during forward/backward")
-        if with_grads:
-            raise NotImplementedError("summon_full_params(with_grads=True) is not supported yet")
+        if with_grads and (offload_to_cpu or not state.config.use_orig_params):
+            raise NotImplementedError(
+                f"with_grads={with_grads}, use_orig_params={state.config.use_orig_params}, "
+                f"offload_to_cpu={offload_to_cpu} is not supported yet"
+            )
     if writeback and rank0_only:
         raise NotImplementedError(
             "writeback=True and rank0_only=True is not supported, as model parameter shapes will "
             "be different across ranks, and writing to them can lead to inconsistencies across "
             "ranks when the context is exited."
         )
-    if offload_to_cpu and with_grads:
-        raise NotImplementedError("offload_to_cpu=True and with_grads=True is not supported yet")
 
 
 @contextlib.contextmanager
@@ -97,6 +98,8 @@ def _enter(state: FSDPState, rank0_only: bool, offload_to_cpu: bool, with_grads:
     handle.set_force_full_precision(True)
     state.unshard(handle)
     state.wait_for_unshard(handle)
+    if with_grads:
+        state.unshard_grad(handle)
     if rank0_only and state.rank != 0:
         return
     if offload_to_cpu:
@@ -115,6 +118,7 @@ def _exit(state: FSDPState, writeback: bool, rank0_only: bool) -> None:
         if not handle._use_orig_params and not (rank0_only and state.rank != 0):
             handle._use_unsharded_views(as_params=False)
         state.reshard(handle, free=True)
+        handle.drop_unsharded_grad()
         state.show_flat_param()
         handle.set_force_full_precision(False)
         handle._training_state = HandleTrainingState.IDLE
