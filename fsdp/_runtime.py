@@ -477,7 +477,10 @@ class FSDPState:
 
     def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
         if free:
-            self.root.streams.release(handle.unsharded_buffers())
+            in_use = handle.unsharded_buffers()
+            if handle.is_unsharded():
+                in_use.append(handle.flat_param.data)  # also a temporary device copy
+            self.root.streams.release(in_use)
         handle.reshard(free, use_sharded_views)
 
     def _prefetch(self, target: FlatParamHandle | None, phase: HandleTrainingState) -> None:
