@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The device the inner sessions of the harness's black-box tests use: the CPU by
+# default; `HARNESS_TEST_INNER_DEVICE=auto` on a GPU machine runs them on NCCL.
+INNER_DEVICE = os.environ.get("HARNESS_TEST_INNER_DEVICE", "cpu")
 
 
 class Run:
@@ -51,7 +54,7 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterato
     def run(source: str, *args: str) -> Run:
         pytester.makepyfile(test_inner=source)
         result = pytester.runpytest_subprocess(
-            "-p", "harness.plugin", "-p", "no:cacheprovider", "--device", "cpu", *args
+            "-p", "harness.plugin", "-p", "no:cacheprovider", "--device", INNER_DEVICE, *args
         )
         return Run(result, pids_file)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.conftest import alive
+from tests.conftest import INNER_DEVICE, alive
+
+ON_GPU = INNER_DEVICE != "cpu"
 
 HEADER = textwrap.dedent(
     """
@@ -69,6 +71,7 @@ def test_failure_reports_name_the_right_rank(inner):
 
     report = run.section("test_assert_on_rank1")
     assert "1 of 2 ranks failed: rank 1 " in report
+    assert ("backend=nccl" if ON_GPU else "backend=gloo") in report
     assert "=== rank 1: AssertionError ===" in report
     assert "assert 1 == 0" in report  # assertion rewriting works inside the rank
     assert "rank 0:" not in report
@@ -282,7 +285,7 @@ PARENT_SKIPS = src(
 
 
 def test_skips_are_decided_before_any_rank_starts(inner):
-    run = inner(PARENT_SKIPS, "-rs")
+    run = inner(PARENT_SKIPS, "-rs", "--device", "cpu")
     run.result.assert_outcomes(skipped=2)
     assert "SyncBatchNorm forward needs CUDA (ranks run on cpu)" in run.text
     assert "import module_that_does_not_exist failed" in run.text
