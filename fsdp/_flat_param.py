@@ -690,13 +690,13 @@ class FlatParamHandle:
         self._use_sharded_grad_views()
 
     def _use_unsharded_grad_views(self) -> None:
-        """Under ``no_sync`` the accumulated gradient is unsharded."""
+        """Under ``no_sync`` the accumulated gradient is unsharded: the original
+        parameters (sharded between iterations) get unsharded gradient views."""
         grad = self.flat_param.grad
         if grad is None or grad.numel() != self.unpadded_numel:
             return
         for param, view in zip(self._params, self._get_unflat_views(grad)):
-            if param.requires_grad and param.shape == view.shape:
-                _assign_grad(param, view)
+            _assign_grad(param, view if param.requires_grad else None)
 
     # -- writeback (use_orig_params) ------------------------------------------------
 
@@ -751,15 +751,17 @@ class FlatParamHandle:
 
     def _writeback_grad(self, i: int) -> bool:
         param = self._params[i]
-        flat_grad = self._sharded_flat_grad()
+        flat_grad = self.flat_param.grad
+        if flat_grad is not None and param.grad is not None and _same_storage(param.grad, flat_grad):
+            return False
+        if flat_grad is not None and flat_grad.shape != self.flat_param._local_shard.shape:
+            return False  # an unsharded gradient accumulating under no_sync
         start, numel = self._param_range(i, self.flat_param._shard_param_infos[i])
         if param.grad is None:
             if flat_grad is None or not param.requires_grad:
                 return False
             flat_grad[start : start + numel].zero_()  # the user dropped this gradient
             return True
-        if flat_grad is not None and _same_storage(param.grad, flat_grad):
-            return False
         source = param.grad if self.uses_sharded_strategy else param.grad.reshape(-1)
         _check_writeback_shape(source, torch.Size([numel]), is_param=False)
         if flat_grad is None:

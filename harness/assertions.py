@@ -66,8 +66,10 @@ def assert_equal(
                 check_dtype=exact_dtype,
                 check_device=exact_device,
             )
+            return
         except AssertionError as exc:
-            _fail(f"Tensors are not equal{where}: {exc}", msg)
+            problem = str(exc)
+        _fail(f"Tensors are not equal{where}: {problem}", msg)
         return
     if isinstance(actual, Mapping) and isinstance(expected, Mapping):
         if set(actual) != set(expected):
