@@ -622,7 +622,10 @@ class TestStreamWaits(FSDPTest):
         """10 steps with every all-gather delayed; losses equal DDP's each step."""
         model = _wrap(_blocks(), backward_prefetch=prefetch, forward_prefetch=True)
         reference = _ddp(_blocks())
-        def slow_all_gather(original: Callable[..., object], *args: object, **kwargs: object) -> object:
+
+        def slow_all_gather(
+            original: Callable[..., object], *args: object, **kwargs: object
+        ) -> object:
             sleep_ms(20 if current_device().type == "cuda" else 1)
             return original(*args, **kwargs)
 
