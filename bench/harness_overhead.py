@@ -28,7 +28,16 @@ def run_pytest(args: list[str]) -> tuple[float, list[float]]:
         report = Path(tmp) / "report.xml"
         start = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={report}",
+                *args,
+            ],
             cwd=ROOT,
             check=True,
             stdout=subprocess.DEVNULL,

@@ -81,7 +81,9 @@ def _install_hooks(module: nn.Module, state: FSDPState) -> None:
         args, kwargs = state.root_pre_forward(args, kwargs)
         return state.pre_forward(args, kwargs)
 
-    def post_forward(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    def post_forward(
+        _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
         return state.post_forward(output)
 
     module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)

@@ -217,7 +217,9 @@ def _layout(params: Sequence[nn.Parameter], module: nn.Module, align_to: int | N
 def _check_uniform(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
-        raise ValueError(f"Must flatten tensors with uniform dtype but got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"Must flatten tensors with uniform dtype but got {sorted(map(str, dtypes))}"
+        )
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"Must flatten tensors on the same device but got {devices}")
@@ -344,7 +346,11 @@ class FlatParamHandle:
 
     @property
     def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size if self.uses_sharded_strategy else self.unpadded_numel
+        return (
+            self.padded_numel // self.world_size
+            if self.uses_sharded_strategy
+            else self.unpadded_numel
+        )
 
     @property
     def fqns(self) -> tuple[str, ...]:
@@ -382,7 +388,9 @@ class FlatParamHandle:
             start = self.rank * self.shard_numel
             end = start + self.shard_numel - 1
             with torch.no_grad():
-                shard = torch.zeros(self.shard_numel, dtype=flat_param.dtype, device=flat_param.device)
+                shard = torch.zeros(
+                    self.shard_numel, dtype=flat_param.dtype, device=flat_param.device
+                )
                 real = flat_param.data[start : min(end + 1, self.unpadded_numel)]
                 shard[: real.numel()].copy_(real)
             flat_param.data = shard
@@ -437,7 +445,11 @@ class FlatParamHandle:
             intra_end = min(end, last) - offset
             infos.append(
                 _ShardParamInfo(
-                    True, max(offset, start) - start, intra_end - intra_start + 1, intra_start, intra_end
+                    True,
+                    max(offset, start) - start,
+                    intra_end - intra_start + 1,
+                    intra_start,
+                    intra_end,
                 )
             )
         return tuple(infos)
@@ -475,7 +487,9 @@ class FlatParamHandle:
             )
             free_storage(flat_param._mp_shard)
         if self.uses_sharded_strategy:
-            flat_param._full_param_padded = self._empty_padded(self._mp_param_dtype or self._orig_param_dtype)
+            flat_param._full_param_padded = self._empty_padded(
+                self._mp_param_dtype or self._orig_param_dtype
+            )
             if self.uses_param_mixed_precision:
                 flat_param._full_prec_full_param_padded = self._empty_padded(self._orig_param_dtype)
         if self._use_orig_params:
@@ -566,7 +580,9 @@ class FlatParamHandle:
     def unsharded_buffers(self) -> list[Tensor]:
         names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
         return [
-            t for n in names if (t := getattr(self.flat_param, n, None)) is not None and not storage_freed(t)
+            t
+            for n in names
+            if (t := getattr(self.flat_param, n, None)) is not None and not storage_freed(t)
         ]
 
     def free_unsharded(self) -> None:
@@ -709,7 +725,9 @@ class FlatParamHandle:
         self._reset_grad_if_all_none()
         flat_param = self.flat_param
         wrote = False
-        for i, (info, shard_info) in enumerate(zip(self._layout.param_infos, flat_param._shard_param_infos)):
+        for i, (info, shard_info) in enumerate(
+            zip(self._layout.param_infos, flat_param._shard_param_infos)
+        ):
             if not shard_info.in_shard or not hasattr(info.module, info.param_name):
                 continue
             wrote |= self._writeback_param(i, info, shard_info)
@@ -752,7 +770,11 @@ class FlatParamHandle:
     def _writeback_grad(self, i: int) -> bool:
         param = self._params[i]
         flat_grad = self.flat_param.grad
-        if flat_grad is not None and param.grad is not None and _same_storage(param.grad, flat_grad):
+        if (
+            flat_grad is not None
+            and param.grad is not None
+            and _same_storage(param.grad, flat_grad)
+        ):
             return False
         if flat_grad is not None and flat_grad.shape != self.flat_param._local_shard.shape:
             return False  # an unsharded gradient accumulating under no_sync
@@ -907,4 +929,3 @@ def warn_world_size_one(strategy: object) -> None:
         f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
         stacklevel=4,
     )
-

@@ -140,7 +140,9 @@ def managed_params(modules: list[nn.Module], ignored: Ignored) -> list[nn.Parame
 
 
 def managed_buffers(modules: list[nn.Module]) -> list[tuple[nn.Module, str]]:
-    return [(m, name) for m in modules for name, b in m.named_buffers(recurse=False) if b is not None]
+    return [
+        (m, name) for m in modules for name, b in m.named_buffers(recurse=False) if b is not None
+    ]
 
 
 def resolve_device(device_id: int | torch.device | None) -> torch.device | None:
@@ -170,7 +172,9 @@ def compute_device(params: list[nn.Parameter], device_id: torch.device | None) -
 
 
 def materialize(
-    modules: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None, device: torch.device
+    modules: list[nn.Module],
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
 ) -> None:
     """Initialises parameters created on the meta device."""
     meta = [
@@ -202,7 +206,10 @@ def move_to(modules: list[nn.Module], device: torch.device, ignored: Ignored) ->
 
 
 def sync_states(
-    params: list[nn.Parameter], buffers: list[tuple[nn.Module, str]], group: Any, device: torch.device
+    params: list[nn.Parameter],
+    buffers: list[tuple[nn.Module, str]],
+    group: Any,
+    device: torch.device,
 ) -> None:
     """``sync_module_states``: every rank starts from the first rank's values."""
     src = _comm.group_ranks(group)[0]

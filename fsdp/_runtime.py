@@ -56,11 +56,11 @@ from fsdp._streams import CommStreams
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
+    FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
     StateDictConfig,
     StateDictType,
-    FullStateDictConfig,
 )
 
 
@@ -295,7 +295,9 @@ class FSDPState:
             handle._use_unsharded_views(as_params=False)
             self._register_post_backward_hook(handle)
             if self.config.forward_prefetch:
-                self._prefetch(self.root.exec_order.forward_next(handle), HandleTrainingState.FORWARD)
+                self._prefetch(
+                    self.root.exec_order.forward_next(handle), HandleTrainingState.FORWARD
+                )
         return args, kwargs
 
     def post_forward(self, output: Any) -> Any:
@@ -303,8 +305,13 @@ class FSDPState:
         with record_function("FSDP::post_forward"):
             if handle is not None:
                 strategy = self.config.sharding_strategy
-                free = not self.is_root and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-                keep_views = torch.is_grad_enabled() and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
+                free = not self.is_root and strategy in (
+                    ShardingStrategy.FULL_SHARD,
+                    ShardingStrategy.HYBRID_SHARD,
+                )
+                keep_views = (
+                    torch.is_grad_enabled() and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
+                )
                 self.reshard(handle, free=free, use_sharded_views=not keep_views)
                 handle._training_state = HandleTrainingState.IDLE
             output = self._register_pre_backward_hooks(output, handle)
@@ -358,7 +365,9 @@ class FSDPState:
             handle.prepare_gradient_for_backward()
             handle._ran_pre_backward_hook = True
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(context.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE)
+                self._prefetch(
+                    context.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE
+                )
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[Tensor], None]:
         def hook(flat_param: Tensor) -> None:
@@ -378,7 +387,9 @@ class FSDPState:
                 return
             self.reshard(handle, free=True)
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch(self.root.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE)
+                self._prefetch(
+                    self.root.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE
+                )
             self._reduce_grad(handle)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:

@@ -46,7 +46,11 @@ def ensure_initialized(module: nn.Module) -> None:
 
 
 def _validate(
-    states: list[FSDPState], writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+    states: list[FSDPState],
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
 ) -> None:
     for state in states:
         if state.training_state is TrainingState.FORWARD_BACKWARD:
@@ -75,7 +79,9 @@ def summon_full_params(
 ) -> Iterator[None]:
     ensure_initialized(module)
     states = [
-        s for s in states_in(module, recurse) if s.training_state is not TrainingState.SUMMON_FULL_PARAMS
+        s
+        for s in states_in(module, recurse)
+        if s.training_state is not TrainingState.SUMMON_FULL_PARAMS
     ]
     _validate(states, writeback, rank0_only, offload_to_cpu, with_grads)
     entered: list[FSDPState] = []

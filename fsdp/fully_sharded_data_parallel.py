@@ -291,7 +291,9 @@ class FullyShardedDataParallel(nn.Module):
         total norm over all ranks; returns that norm (same on every rank)."""
         ensure_initialized(self)
         if not self._state.is_root:
-            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance"
+            )
         sharded, replicated = _grads_by_placement(self)
         total = _total_norm(sharded, replicated, float(norm_type), self._state)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

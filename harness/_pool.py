@@ -283,11 +283,11 @@ class RankPool:
                     waiting.pop(proc.rank, None)
 
     def _fail_start(self, why: str) -> None:
-        outputs = "\n".join(
-            f"--- rank {r.rank} output ---\n{r.read_output()}" for r in self._ranks
-        )
+        outputs = "\n".join(f"--- rank {r.rank} output ---\n{r.read_output()}" for r in self._ranks)
         self.stop()
-        raise PoolStartError(f"could not start a pool of {self.key.world_size} ranks: {why}\n{outputs}")
+        raise PoolStartError(
+            f"could not start a pool of {self.key.world_size} ranks: {why}\n{outputs}"
+        )
 
     # -- running a test -------------------------------------------------------
 

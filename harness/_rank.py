@@ -97,7 +97,7 @@ class RankContext:
             fn(*args, **kwargs, **combo.kwargs)
         except SKIP_EXCEPTIONS as exc:
             status, text = Status.SKIPPED, skip_reason(exc)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported
+        except Exception as exc:
             status, text = Status.FAILED, format_exception(exc)
         self.conn.send(SubtestFinished(self.rank, index, rendered, status, text))
         reply = self.conn.recv()

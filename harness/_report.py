@@ -99,7 +99,9 @@ def _skip_reason(final: Attempt) -> str:
 
 def _header(final: Attempt, info: RunInfo, counts: SubtestCounts | None) -> str:
     if final.timed_out:
-        return f"timed out after {info.timeout_s:g} s ({info.describe()}); stacks of every rank below"
+        return (
+            f"timed out after {info.timeout_s:g} s ({info.describe()}); stacks of every rank below"
+        )
     failing = [r for r in final.ranks.values() if _rank_failed(r, counts)]
     dead = [r for r in failing if r.death is not None]
     parts = [f"rank {r.rank} {r.death}" for r in dead]
@@ -179,8 +181,10 @@ def _rank_sections(final: Attempt, info: RunInfo, counts: SubtestCounts | None) 
         label = ", ".join(f"rank {r}" for r in ranks)
         sections.append(f"=== {label}: {_exc_type(final, ranks[0])} ===\n{text.rstrip()}")
     for result in final.ranks.values():
-        if result.death is None and result.stopped_stack is not None and not _reported_before(
-            result, final
+        if (
+            result.death is None
+            and result.stopped_stack is not None
+            and not _reported_before(result, final)
         ):
             sections.append(_stopped_section(result, final))
     return sections

@@ -116,7 +116,7 @@ def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, 
         _run_with_setup(instance, message.method_name, message.kwargs)
     except _rank.SKIP_EXCEPTIONS as exc:
         return Status.SKIPPED, _rank.skip_reason(exc), type(exc).__name__
-    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt in a rank is a failure too
+    except BaseException as exc:
         return Status.FAILED, _rank.format_exception(exc), type(exc).__name__
     return Status.PASSED, "", ""
 
@@ -142,6 +142,6 @@ def _settle(device: torch.device, groups: GroupTracker) -> bool:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         groups.destroy_new_groups()
-    except Exception:  # noqa: BLE001 - a sticky CUDA error or a broken group
+    except Exception:
         return False
     return default_group_alive()

@@ -56,7 +56,7 @@ def _prepare_process(spec: object) -> None:
     if spec.capture_output:
         _redirect_output(output_path(spec.output_dir, spec.rank))
     faulthandler.enable(all_threads=True)
-    _STACK_FILES.append(open(stacks_path(spec.output_dir, spec.rank), "a"))  # noqa: SIM115
+    _STACK_FILES.append(open(stacks_path(spec.output_dir, spec.rank), "a"))
     faulthandler.register(STACK_SIGNAL, file=_STACK_FILES[-1], all_threads=True, chain=False)
     _die_with_parent(spec.parent_pid)
     for key, value in spec.env:

@@ -73,23 +73,43 @@ def assert_equal(
         return
     if isinstance(actual, Mapping) and isinstance(expected, Mapping):
         if set(actual) != set(expected):
-            _fail(f"Mappings have different keys{where}: {sorted(map(str, actual))} vs "
-                  f"{sorted(map(str, expected))}", msg)
+            _fail(
+                f"Mappings have different keys{where}: {sorted(map(str, actual))} vs "
+                f"{sorted(map(str, expected))}",
+                msg,
+            )
         for key in actual:
-            assert_equal(actual[key], expected[key], msg, rtol=rtol, atol=atol,
-                         exact_dtype=exact_dtype, exact_device=exact_device,
-                         path=f"{path}[{key!r}]")
+            assert_equal(
+                actual[key],
+                expected[key],
+                msg,
+                rtol=rtol,
+                atol=atol,
+                exact_dtype=exact_dtype,
+                exact_device=exact_device,
+                path=f"{path}[{key!r}]",
+            )
         return
     if _is_sequence(actual) and _is_sequence(expected):
         a, e = list(actual), list(expected)  # type: ignore[call-overload]
         if len(a) != len(e):
             _fail(f"Sequences have different lengths{where}: {len(a)} vs {len(e)}", msg)
         for i, (x, y) in enumerate(zip(a, e)):
-            assert_equal(x, y, msg, rtol=rtol, atol=atol, exact_dtype=exact_dtype,
-                         exact_device=exact_device, path=f"{path}[{i}]")
+            assert_equal(
+                x,
+                y,
+                msg,
+                rtol=rtol,
+                atol=atol,
+                exact_dtype=exact_dtype,
+                exact_device=exact_device,
+                path=f"{path}[{i}]",
+            )
         return
-    if _is_number(actual) and _is_number(expected) and (
-        isinstance(actual, float) or isinstance(expected, float)
+    if (
+        _is_number(actual)
+        and _is_number(expected)
+        and (isinstance(actual, float) or isinstance(expected, float))
     ):
         tol_r = 1.3e-6 if rtol is None else rtol
         tol_a = 1e-5 if atol is None else atol
@@ -103,67 +123,73 @@ def assert_equal(
 class Assertions:
     """The assertion helpers of ``unittest.TestCase`` that the seed tests call."""
 
-    def assertEqual(self, actual: object, expected: object, msg: str | None = None, **kwargs: Any) -> None:  # noqa: N802, E501
+    def assertEqual(
+        self, actual: object, expected: object, msg: str | None = None, **kwargs: Any
+    ) -> None:
         assert_equal(actual, expected, msg, **kwargs)
 
-    def assertNotEqual(self, actual: object, expected: object, msg: str | None = None, **kwargs: Any) -> None:  # noqa: N802, E501
+    def assertNotEqual(
+        self, actual: object, expected: object, msg: str | None = None, **kwargs: Any
+    ) -> None:
         try:
             assert_equal(actual, expected, **kwargs)
         except AssertionError:
             return
         _fail(f"Values are equal: {actual!r}", msg)
 
-    def assertTrue(self, expr: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertTrue(self, expr: object, msg: str | None = None) -> None:
         _CASE.assertTrue(expr, msg)
 
-    def assertFalse(self, expr: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertFalse(self, expr: object, msg: str | None = None) -> None:
         _CASE.assertFalse(expr, msg)
 
-    def assertIsNone(self, obj: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertIsNone(self, obj: object, msg: str | None = None) -> None:
         _CASE.assertIsNone(obj, msg)
 
-    def assertIsNotNone(self, obj: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertIsNotNone(self, obj: object, msg: str | None = None) -> None:
         _CASE.assertIsNotNone(obj, msg)
 
-    def assertIs(self, a: object, b: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertIs(self, a: object, b: object, msg: str | None = None) -> None:
         _CASE.assertIs(a, b, msg)
 
-    def assertIsNot(self, a: object, b: object, msg: str | None = None) -> None:  # noqa: N802
+    def assertIsNot(self, a: object, b: object, msg: str | None = None) -> None:
         _CASE.assertIsNot(a, b, msg)
 
-    def assertIsInstance(self, obj: object, cls: type | tuple[type, ...], msg: str | None = None) -> None:  # noqa: N802, E501
+    def assertIsInstance(
+        self, obj: object, cls: type | tuple[type, ...], msg: str | None = None
+    ) -> None:
         _CASE.assertIsInstance(obj, cls, msg)
 
-    def assertIn(self, member: object, container: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertIn(self, member: object, container: Any, msg: str | None = None) -> None:
         _CASE.assertIn(member, container, msg)
 
-    def assertNotIn(self, member: object, container: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertNotIn(self, member: object, container: Any, msg: str | None = None) -> None:
         _CASE.assertNotIn(member, container, msg)
 
-    def assertGreater(self, a: Any, b: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertGreater(self, a: Any, b: Any, msg: str | None = None) -> None:
         _CASE.assertGreater(a, b, msg)
 
-    def assertGreaterEqual(self, a: Any, b: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertGreaterEqual(self, a: Any, b: Any, msg: str | None = None) -> None:
         _CASE.assertGreaterEqual(a, b, msg)
 
-    def assertLess(self, a: Any, b: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertLess(self, a: Any, b: Any, msg: str | None = None) -> None:
         _CASE.assertLess(a, b, msg)
 
-    def assertLessEqual(self, a: Any, b: Any, msg: str | None = None) -> None:  # noqa: N802
+    def assertLessEqual(self, a: Any, b: Any, msg: str | None = None) -> None:
         _CASE.assertLessEqual(a, b, msg)
 
-    def assertRaises(self, exc: type[BaseException], *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+    def assertRaises(self, exc: type[BaseException], *args: Any, **kwargs: Any) -> Any:
         return _CASE.assertRaises(exc, *args, **kwargs)
 
-    def assertRaisesRegex(  # noqa: N802
+    def assertRaisesRegex(
         self, exc: type[BaseException], regex: str, *args: Any, **kwargs: Any
     ) -> Any:
         return _CASE.assertRaisesRegex(exc, regex, *args, **kwargs)
 
-    def assertWarns(self, warning: type[Warning], *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+    def assertWarns(self, warning: type[Warning], *args: Any, **kwargs: Any) -> Any:
         return _CASE.assertWarns(warning, *args, **kwargs)
 
-    def assertWarnsRegex(  # noqa: N802
+    def assertWarnsRegex(
         self,
         expected_warning: type[Warning],
         expected_regex: str,
@@ -175,6 +201,5 @@ class Assertions:
     def fail(self, msg: str | None = None) -> None:
         _CASE.fail(msg)
 
-    def skipTest(self, reason: str) -> None:  # noqa: N802
+    def skipTest(self, reason: str) -> None:
         raise unittest.SkipTest(reason)
-

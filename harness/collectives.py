@@ -46,9 +46,7 @@ def current(kind: Collective) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def patch_collective(
-    kind: Collective, handler: Callable[..., Any]
-) -> Iterator[Callable[..., Any]]:
+def patch_collective(kind: Collective, handler: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """Routes every call of ``kind`` through ``handler(orig, *args, **kwargs)``.
 
     Yields the original function of the newest name. Calls nested inside the
@@ -82,7 +80,9 @@ def _replace(new_fn: Callable[..., Any]) -> Callable[..., Any]:
     return lambda _orig, *args, **kwargs: new_fn(*args, **kwargs)
 
 
-def patch_reduce_scatter(new_reduce_scatter: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+def patch_reduce_scatter(
+    new_reduce_scatter: Callable[..., Any],
+) -> contextlib.AbstractContextManager[Any]:
     """Replaces the reduce-scatter with ``new_reduce_scatter(*args, **kwargs)``,
     which is expected to call the original (``current(Collective.REDUCE_SCATTER)``
     taken before entering)."""
@@ -150,7 +150,9 @@ class CollectiveRecorder:
             operands = _operands(args, kwargs)
             if operands is not None:
                 out_numel, inp = operands
-                call = CollectiveCall(kind, inp.dtype, inp.numel(), out_numel, _group_size(args, kwargs))
+                call = CollectiveCall(
+                    kind, inp.dtype, inp.numel(), out_numel, _group_size(args, kwargs)
+                )
                 self.calls.append(call)
             return orig(*args, **kwargs)
 

@@ -45,5 +45,6 @@ def parametrize(
         ids = [name_fn(*row) for row in rows]
     else:
         ids = ["-".join(value_id(v) for v in row) for row in rows]
-    values = [tuple(row) if len(names) > 1 else row[0] for row in rows]
-    return pytest.mark.parametrize(names, values, ids=ids)
+    if len(names) == 1:
+        return pytest.mark.parametrize(names[0], [row[0] for row in rows], ids=ids)
+    return pytest.mark.parametrize(names, [tuple(row) for row in rows], ids=ids)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from harness import hookspec
-from harness._limits import TORCH_CPU_OFFLOAD_SKIP
 from harness._dispatch import PoolManager, TestRequest, run
+from harness._limits import TORCH_CPU_OFFLOAD_SKIP
 from harness._pool import Placement, PoolKey
 from harness._protocol import RunTest, Status, SubtestCounts
 from harness.devices import DevicePlan
@@ -63,7 +63,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--subtest",
         default=None,
         metavar="KEY=VALUE,...",
-        help='run only the subtest combinations matching every pair, e.g. '
+        help="run only the subtest combinations matching every pair, e.g. "
         '--subtest "sharding_strategy=SHARD_GRAD_OP,use_orig_params=True". '
         "Values are matched as they appear in reports.",
     )
@@ -136,8 +136,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def is_distributed(item: pytest.Item) -> bool:
     cls = getattr(item, "cls", None)
-    return isinstance(item, pytest.Function) and cls is not None and issubclass(
-        cls, DistributedTest
+    return (
+        isinstance(item, pytest.Function) and cls is not None and issubclass(cls, DistributedTest)
     )
 
 
@@ -199,7 +199,7 @@ def _import_error(name: str) -> str | None:
         try:
             importlib.import_module(name)
             _IMPORT_ERRORS[name] = None
-        except Exception as exc:  # noqa: BLE001 - torchvision raises RuntimeError with CPU torch
+        except Exception as exc:
             _IMPORT_ERRORS[name] = f"import {name} failed: {type(exc).__name__}: {exc}"
     return _IMPORT_ERRORS[name]
 
@@ -243,7 +243,8 @@ def _request(item: pytest.Function) -> TestRequest:
         key=PoolKey(world_size, placement.device_type),
         placement=placement,
         message=message,
-        fresh_pool=config.getoption("fresh_pool") or item.get_closest_marker("fresh_pool") is not None,
+        fresh_pool=config.getoption("fresh_pool")
+        or item.get_closest_marker("fresh_pool") is not None,
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
     )

@@ -60,10 +60,10 @@ class DistributedTest(Assertions):
     def process_group(self) -> dist.ProcessGroup:
         return dist.distributed_c10d._get_default_group()
 
-    def setUp(self) -> None:  # noqa: N802 - unittest spelling, so seed code ports unchanged
+    def setUp(self) -> None:
         """Runs in every rank before the test body."""
 
-    def tearDown(self) -> None:  # noqa: N802
+    def tearDown(self) -> None:
         """Runs in every rank after the test body, also when it failed."""
 
     def run_subtests(

@@ -27,7 +27,7 @@ class Run:
         pattern = re.compile(rf"^_+ \S*{re.escape(test)}(\[\S*\])? _+$", re.M)
         match = pattern.search(self.text)
         assert match, f"no report section for {test} in:\n{self.text}"
-        rest = self.text[match.end():]
+        rest = self.text[match.end() :]
         end = re.search(r"^(_{5,} \S+ _{5,}|={8,} .* ={8,}|rank pools: .*)$", rest, re.M)
         return (rest[: end.start()] if end else rest).strip("\n")
 

@@ -64,6 +64,9 @@ def test_seed_style_ids():
     mark = parametrize("a,b", [("a", "b")], lambda *v: subtest_name(mapping, *v))
     assert mark.kwargs["ids"] == ["x-y"]
     assert mark.args[0] == ["a", "b"]
+    single = parametrize("nested", [True, False])
+    assert single.args == ("nested", [True, False])
+    assert single.kwargs["ids"] == ["True", "False"]
 
 
 def test_subtest_rendering_round_trips_through_the_filter():
