@@ -29,46 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fsdp._common import (
-    FLAT_PARAM,
-    FSDP_PREFIX,
-    HandleTrainingState,
-    TrainingState,
-    clean_tensor_name,
-)
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
 from fsdp._runtime import FSDPState
-from fsdp._unshard_params import ensure_initialized
+from fsdp._unshard_params import ensure_initialized, expose_full_params, restore_sharded
 from fsdp.api import FullStateDictConfig, StateDictType
-
-
-def _unshard_for_checkpoint(state: FSDPState) -> None:
-    state.training_state = TrainingState.SUMMON_FULL_PARAMS
-    handle = state.handle
-    if handle is None:
-        return
-    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    handle.set_force_full_precision(True)
-    state.unshard(handle)
-    state.wait_for_unshard(handle)
-    state.hide_flat_param()
-    handle._use_unsharded_views(as_params=True)
-
-
-def _reshard_after_checkpoint(state: FSDPState, writeback: bool) -> None:
-    handle = state.handle
-    try:
-        if handle is None:
-            return
-        if writeback:
-            handle.writeback_unsharded()
-        if not handle._use_orig_params:
-            handle._use_unsharded_views(as_params=False)
-        state.reshard(handle, free=True)
-        state.show_flat_param()
-        handle.set_force_full_precision(False)
-        handle._training_state = HandleTrainingState.IDLE
-    finally:
-        state.training_state = TrainingState.IDLE
 
 
 def _clean_key(prefix: str, names: dict[int, str], module: nn.Module, name: str) -> str | None:
@@ -126,7 +90,7 @@ def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Te
 
 class _FullStateDict:
     def pre_save(self, state: FSDPState) -> None:
-        _unshard_for_checkpoint(state)
+        expose_full_params(state)
 
     def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
         config = state.state_dict_config
@@ -140,14 +104,14 @@ class _FullStateDict:
                 state_dict[key] = _saved(
                     state_dict[key], keys.buffer_dtypes.get(key), config.offload_to_cpu
                 )
-        _reshard_after_checkpoint(state, writeback=False)
+        restore_sharded(state, writeback=False)
 
     def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
-        _unshard_for_checkpoint(state)
+        expose_full_params(state)
         _prefix_entries(state_dict, prefix)
 
     def post_load(self, state: FSDPState) -> None:
-        _reshard_after_checkpoint(state, writeback=True)
+        restore_sharded(state, writeback=True)
 
 
 class _ShardedStateDict(_FullStateDict):
@@ -161,7 +125,7 @@ class _ShardedStateDict(_FullStateDict):
                 state_dict[key] = _row_shard(value, state, offload)
             elif isinstance(value, Tensor):
                 state_dict[key] = _saved(value, keys.buffer_dtypes.get(key), offload)
-        _reshard_after_checkpoint(state, writeback=False)
+        restore_sharded(state, writeback=False)
 
     def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
         # Every rank gathers the same parameters in the same (flat) order.

@@ -88,14 +88,21 @@ def summon_full_params(
     try:
         for state in states:
             entered.append(state)
-            _enter(state, rank0_only, offload_to_cpu, with_grads)
+            expose_full_params(state, rank0_only, offload_to_cpu, with_grads)
         yield
     finally:
         for state in reversed(entered):
-            _exit(state, writeback and not offload_to_cpu, rank0_only)
+            restore_sharded(state, writeback and not offload_to_cpu, rank0_only)
 
 
-def _enter(state: FSDPState, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+def expose_full_params(
+    state: FSDPState,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> None:
+    """Unshards ``state``'s unit in full precision and exposes the original
+    parameters under their names (summon_full_params, state dicts)."""
     state.training_state = TrainingState.SUMMON_FULL_PARAMS
     handle = state.handle
     if handle is None:
@@ -114,7 +121,8 @@ def _enter(state: FSDPState, rank0_only: bool, offload_to_cpu: bool, with_grads:
     handle._use_unsharded_views(as_params=True)
 
 
-def _exit(state: FSDPState, writeback: bool, rank0_only: bool) -> None:
+def restore_sharded(state: FSDPState, writeback: bool, rank0_only: bool = False) -> None:
+    """Undoes ``expose_full_params``: writes back (when asked), reshards."""
     handle = state.handle
     try:
         if handle is None:
