@@ -1,0 +1,145 @@
+"""Our FSDP (and torch's, with --fsdp-impl torch) against DDP on a small model:
+every strategy x original parameters x offload x prefetch, state-dict round
+trips of every type, summon_full_params(with_grads) and hybrid sharding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import FSDPTest, current_device
+from harness.fsdp_api import (
+    FSDP,
+    IMPL,
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 4)).to(
+        current_device()
+    )
+
+
+def _ddp(module: nn.Module) -> DDP:
+    device = current_device()
+    return DDP(module, device_ids=[device.index]) if device.type == "cuda" else DDP(module)
+
+
+class TestParityMatrix(FSDPTest):
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    @pytest.mark.parametrize("use_orig_params", [False, True])
+    @pytest.mark.parametrize("offload", [False, True])
+    @pytest.mark.parametrize("prefetch", [None, "BACKWARD_PRE", "BACKWARD_POST"])
+    def test_four_steps_match_ddp(self, strategy, use_orig_params, offload, prefetch):
+        """Losses equal every step, full parameters equal at the end, and the
+        full state dict has DDP's keys."""
+        reference = _ddp(_model())
+        model = FSDP(
+            _model().cpu() if offload else _model(),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            sharding_strategy=ShardingStrategy[strategy],
+            use_orig_params=use_orig_params,
+            cpu_offload=CPUOffload(offload),
+            backward_prefetch=BackwardPrefetch[prefetch] if prefetch else None,
+            forward_prefetch=True,
+        )
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, model)]
+        torch.manual_seed(1 + self.rank)
+        for step in range(4):
+            x = torch.randn(6, 5, device=current_device())
+            losses = []
+            for m, optim in zip((reference, model), optims):
+                loss = m(x).sum()
+                loss.backward()
+                optim.step()
+                optim.zero_grad(set_to_none=step % 2 == 0)
+                losses.append(loss)
+            # same math in fp32 on two ranks: exact
+            self.assertEqual(losses[0], losses[1], rtol=0, atol=0)
+        with FSDP.summon_full_params(model):
+            for (n1, p1), (n2, p2) in zip(
+                reference.module.named_parameters(), model.named_parameters()
+            ):
+                self.assertEqual(n1, n2)
+                self.assertEqual(p1, p2, rtol=0, atol=0)
+        self.assertEqual(sorted(model.state_dict()), sorted(reference.module.state_dict()))
+
+
+class TestStateDictRoundTrip(FSDPTest):
+    @pytest.mark.parametrize("kind", list(StateDictType), ids=lambda k: k.name)
+    @pytest.mark.parametrize("use_orig_params", [False, True])
+    def test_load_restores_saved_values(self, kind, use_orig_params):
+        """Save, change every parameter, load: the saved values are back."""
+        if IMPL == "torch" and kind is StateDictType.LOCAL_STATE_DICT and use_orig_params:
+            pytest.skip(
+                "torch's FSDP cannot load its own LOCAL_STATE_DICT with use_orig_params=True "
+                "(unexpected '_flat_param' keys, torch 2.13)"
+            )
+        model = FSDP(
+            _model(),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=use_orig_params,
+            mixed_precision=MixedPrecision(param_dtype=torch.float16),
+        )
+        model(torch.randn(4, 5, device=current_device())).sum().backward()
+        with FSDP.summon_full_params(model):
+            saved_values = [p.detach().clone() for p in model.parameters()]
+        with FSDP.state_dict_type(model, kind):
+            state = copy.deepcopy(model.state_dict())  # entries may alias the parameters
+            with FSDP.summon_full_params(model), torch.no_grad():
+                for param in model.parameters():
+                    param.add_(1.0)
+            model.load_state_dict(state)
+        with FSDP.summon_full_params(model):
+            self.assertEqual([p.detach() for p in model.parameters()], saved_values)
+
+
+class TestMisc(FSDPTest):
+    def test_summon_with_grads_shows_ddp_gradients(self):
+        reference = _ddp(_model())
+        model = FSDP(_model(), use_orig_params=True)
+        torch.manual_seed(self.rank)
+        x = torch.randn(4, 5, device=current_device())
+        reference(x).sum().backward()
+        model(x).sum().backward()
+        with FSDP.summon_full_params(model, with_grads=True):
+            for p1, p2 in zip(reference.parameters(), model.parameters()):
+                self.assertEqual(p1.grad, p2.grad)
+        for param in model.parameters():
+            self.assertTrue(param.grad is None or param.grad.shape == param.shape)
+
+    @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+    def test_hybrid_matches_ddp(self, strategy):
+        """Sharded over the world, one replica per rank group of one."""
+        replicate = [dist.new_group([r]) for r in range(self.world_size)][self.rank]
+        reference = _ddp(_model())
+        model = FSDP(
+            _model(),
+            process_group=(self.process_group, replicate),
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        )
+        optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        torch.manual_seed(self.rank)
+        for _ in range(3):
+            x = torch.randn(4, 5, device=current_device())
+            losses = []
+            for m, optim in zip((reference, model), optims):
+                loss = m(x).sum()
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+                losses.append(loss)
+            self.assertEqual(losses[0], losses[1])
