@@ -248,10 +248,12 @@ class FlatParamHandle:
     _layout: _Layout
     _params: list[nn.Parameter]  # the original parameters (use_orig_params)
     _tensors: list[Tensor | None]  # forward's unsharded views, reused in backward
+    _grad_none: list[bool]  # the user set this original gradient to None
     _shard_state: ShardState
     _training_state: HandleTrainingState
     _force_full_precision: bool
     _skipped_use_sharded_views: bool
+    _forward_views_home: Tensor | None  # what forward's kept views point into
     _saved_grad_shard: Tensor | None  # a gradient from an earlier backward
     _reduced_grad: Tensor | None  # this backward's reduced (sharded) gradient
     _summoned_grad: Tensor | None  # the unsharded gradient inside summon(with_grads)
@@ -300,10 +302,12 @@ class FlatParamHandle:
         self._layout = _layout(params, fully_sharded_module, align)
         self._params = list(self._layout.params)
         self._tensors = [None] * len(self._params)
+        self._grad_none = [False] * len(self._params)
         self._shard_state = ShardState.UNSHARDED
         self._training_state = HandleTrainingState.IDLE
         self._force_full_precision = False
         self._skipped_use_sharded_views = False
+        self._forward_views_home = None
         self._saved_grad_shard = None
         self._reduced_grad = None
         self._summoned_grad = None
@@ -382,8 +386,16 @@ class FlatParamHandle:
         return self._orig_param_dtype
 
     def shard(self) -> None:
-        """Replaces the flat parameter's data by this rank's padded shard."""
+        """Replaces the flat parameter's data by this rank's padded shard.
+
+        With ``use_orig_params=False`` the original names become ``Tensor``
+        views of the unsharded flat parameter first; its storage is then freed,
+        so they keep their metadata (``repr(module)``, ``module.bias is None``
+        work) but no memory until forward points them at real data."""
         flat_param = self.flat_param
+        if not self._use_orig_params:
+            self._use_unsharded_views(as_params=False)
+        unsharded = flat_param.data
         if self.uses_sharded_strategy:
             start = self.rank * self.shard_numel
             end = start + self.shard_numel - 1
@@ -402,8 +414,8 @@ class FlatParamHandle:
         self._shard_state = ShardState.SHARDED
         if self._use_orig_params:
             self._use_sharded_views()
-        else:
-            self._release_orig_params()
+        elif self.uses_sharded_strategy:
+            free_storage(unsharded)
 
     def move_shard_to(self, device: torch.device) -> None:
         """Moves the local shard (parameter offloading keeps it on the CPU)."""
@@ -474,6 +486,9 @@ class FlatParamHandle:
         flat_param = self.flat_param
         flat_param._local_shard = flat_param.data
         self._orig_param_dtype = flat_param.dtype
+        # Changes the user made to original parameters before the first forward
+        # (or summon) are kept: views are re-pointed below.
+        self.writeback_orig_params(skip_check=False)
         if self._offload_params:
             if self.device.type != "cpu":
                 flat_param._local_shard = flat_param._local_shard.pin_memory()
@@ -566,16 +581,20 @@ class FlatParamHandle:
         reads it); otherwise it is kept for the next unshard. Without
         ``use_sharded_views`` the original parameters keep forward's views."""
         flat_param = self.flat_param
+        forward_data = flat_param.data
         flat_param.data = flat_param._local_shard
         self._shard_state = ShardState.SHARDED
         if free_unsharded:
             self.free_unsharded()
+        elif self._low_precision_now() and not self.uses_sharded_strategy:
+            free_storage(flat_param._mp_shard)  # derived data, rebuilt without communication
         if not self._use_orig_params:
             return
         if use_sharded_views:
             self._use_sharded_views()
         else:
             self._skipped_use_sharded_views = True
+            self._forward_views_home = forward_data
 
     def unsharded_buffers(self) -> list[Tensor]:
         names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
@@ -584,6 +603,17 @@ class FlatParamHandle:
             for n in names
             if (t := getattr(self.flat_param, n, None)) is not None and not storage_freed(t)
         ]
+
+    def buffers_freed_by_reshard(self, free_unsharded: bool) -> list[Tensor]:
+        """What ``reshard(free_unsharded)`` releases (for the stream bookkeeping),
+        including a temporary device copy that forward or backward computed with."""
+        freed = self.unsharded_buffers() if free_unsharded else []
+        mp_shard = getattr(self.flat_param, "_mp_shard", None)
+        if not free_unsharded and not self.uses_sharded_strategy and self._low_precision_now():
+            freed += [mp_shard] if mp_shard is not None and not storage_freed(mp_shard) else []
+        if self.is_unsharded():
+            freed.append(self.flat_param.data)
+        return freed
 
     def free_unsharded(self) -> None:
         for buffer in self.unsharded_buffers():
@@ -652,6 +682,7 @@ class FlatParamHandle:
         """``use_orig_params=True``: each original parameter becomes the view of
         its part of the local shard (``NO_SHARD``: of the whole parameter)."""
         self._skipped_use_sharded_views = False
+        self._forward_views_home = None
         if not self.uses_sharded_strategy:
             self._use_unsharded_views(as_params=True)
             return
@@ -680,10 +711,13 @@ class FlatParamHandle:
         return grad[start : start + numel]
 
     def _use_sharded_grad_views(self) -> None:
+        """Each original parameter's gradient becomes the view of its part of the
+        sharded gradient, except where the user set it to None since the last
+        backward (another optimizer's ``zero_grad(set_to_none=True)``)."""
         grad = self.flat_param.grad
         for i, param in enumerate(self._params):
-            view = self._grad_view(i, grad) if grad is not None and param.requires_grad else None
-            _assign_grad(param, view)
+            exposed = grad is not None and param.requires_grad and not self._grad_none[i]
+            _assign_grad(param, self._grad_view(i, grad) if exposed else None)
 
     def sharded_grad_or_zeros(self) -> Tensor:
         grad = self._sharded_flat_grad()
@@ -720,9 +754,11 @@ class FlatParamHandle:
         """Copies user changes of original parameters (``.data`` or a new
         Parameter) and of their gradients into the flat parameter. An unsharded
         copy kept since forward is stale afterwards and is freed."""
-        if not self._use_orig_params or skip_check:
+        if not self._use_orig_params:
             return
         self._reset_grad_if_all_none()
+        if skip_check:
+            return
         flat_param = self.flat_param
         wrote = False
         for i, (info, shard_info) in enumerate(
@@ -741,7 +777,7 @@ class FlatParamHandle:
     def _writeback_param(self, i: int, info: ParamInfo, shard_info: _ShardParamInfo) -> bool:
         current = getattr(info.module, info.param_name)
         if self._skipped_use_sharded_views:
-            expected, home = self._tensors[i], self._current_buffer()
+            expected, home = self._tensors[i], self._forward_views_home
         else:
             expected, home = self._params[i], self.flat_param
         changed_variable = current is not expected
@@ -780,10 +816,12 @@ class FlatParamHandle:
             return False  # an unsharded gradient accumulating under no_sync
         start, numel = self._param_range(i, self.flat_param._shard_param_infos[i])
         if param.grad is None:
-            if flat_grad is None or not param.requires_grad:
+            if flat_grad is None or not param.requires_grad or self._grad_none[i]:
                 return False
             flat_grad[start : start + numel].zero_()  # the user dropped this gradient
+            self._grad_none[i] = True
             return True
+        self._grad_none[i] = False
         source = param.grad if self.uses_sharded_strategy else param.grad.reshape(-1)
         _check_writeback_shape(source, torch.Size([numel]), is_param=False)
         if flat_grad is None:
@@ -861,6 +899,8 @@ class FlatParamHandle:
         unreduced gradient is exposed."""
         flat_param = self.flat_param
         grad, self._reduced_grad = self._reduced_grad, None
+        if grad is not None:
+            self._grad_none = [False] * len(self._params)
         if grad is None:
             grad, self._saved_grad_shard = self._saved_grad_shard, None
         if grad is not None:

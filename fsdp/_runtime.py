@@ -487,11 +487,7 @@ class FSDPState:
         handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])
 
     def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
-        if free:
-            in_use = handle.unsharded_buffers()
-            if handle.is_unsharded():
-                in_use.append(handle.flat_param.data)  # also a temporary device copy
-            self.root.streams.release(in_use)
+        self.root.streams.release(handle.buffers_freed_by_reshard(free))
         handle.reshard(free, use_sharded_views)
 
     def _prefetch(self, target: FlatParamHandle | None, phase: HandleTrainingState) -> None:

@@ -87,7 +87,7 @@ class CommStreams:
     def release(self, tensors: list[Tensor]) -> None:
         """``tensors`` (allocated on the unshard stream) are about to be freed
         after use on the current stream."""
-        if self.unshard is None:
+        if self.unshard is None or not tensors:
             return
         current = self.current()
         for tensor in tensors:

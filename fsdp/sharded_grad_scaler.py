@@ -50,6 +50,16 @@ class ShardedGradScaler(GradScaler):
         )
         self.process_group = process_group
 
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        """Scales like GradScaler, keeping each output's dtype (an fp16 loss
+        stays fp16, as parameters under mixed precision compute in fp16)."""
+        scaled = super().scale(outputs)
+        if isinstance(outputs, torch.Tensor):
+            return scaled.to(outputs.dtype)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(s.to(o.dtype) for s, o in zip(scaled, outputs))
+        return scaled
+
     def _unscale_grads_(  # type: ignore[override]
         self,
         optimizer: torch.optim.Optimizer,
