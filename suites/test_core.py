@@ -3,10 +3,12 @@
 [Note: Delays on the CPU]
 The delayed tests inject a delay after the loss, before each gradient
 reduce-scatter or before each reshard. On CUDA the delay is a spin kernel that
-FSDP's communication streams must wait for, so it stays as long as upstream's
-(250 ms) to expose a missing synchronisation. On the CPU the ranks run on gloo,
-whose collectives are synchronous, and there are no streams to race: the delay
-only has to be on the path, so it is 25 ms there.
+FSDP's communication streams must wait for. Upstream uses 250 ms; the kernels of
+these models take microseconds, so 50 ms opens the same window for a missing
+synchronisation to show, at a fifth of the GPU time (the MoE and reduce-scatter
+tests sleep several times per step, in hundreds of subtests). On the CPU the
+ranks run on gloo, whose collectives are synchronous, and there are no streams
+to race: the delay only has to be on the path, so it is 25 ms there.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ test_name_mapping = {
 }
 config_name = functools.partial(subtest_name, test_name_mapping)
 
-CUDA_DELAY_MS = 250
+CUDA_DELAY_MS = 50  # see [Note: Delays on the CPU]
 CPU_DELAY_MS = 25  # see [Note: Delays on the CPU]
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.plugin import plan_key
+
 ROOT = Path(__file__).resolve().parents[1]
 # The device the inner sessions of the harness's black-box tests use: the CPU by
 # default; `HARNESS_TEST_INNER_DEVICE=auto` on a GPU machine runs them on NCCL.
@@ -43,9 +45,15 @@ class Run:
 
 
 @pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Runs an inner pytest session in a subprocess with the harness plugin."""
+def inner(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[object]:
+    """Runs an inner pytest session in a subprocess with the harness plugin. Under
+    xdist on a GPU machine it sees only this worker's GPUs."""
     pids_file = pytester.path / "pids.txt"
+    owned = request.config.stash[plan_key].gpus
+    if INNER_DEVICE != "cpu":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(owned) if owned else "")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
