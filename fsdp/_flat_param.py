@@ -493,7 +493,9 @@ class FlatParamHandle:
             if self.device.type != "cpu":
                 flat_param._local_shard = flat_param._local_shard.pin_memory()
                 flat_param.data = flat_param._local_shard
-            flat_param._cpu_grad = torch.zeros_like(flat_param._local_shard)
+            flat_param._cpu_grad = torch.zeros_like(
+                flat_param._local_shard, dtype=self.grad_dtype()
+            )
             if self.device.type != "cpu":
                 flat_param._cpu_grad = flat_param._cpu_grad.pin_memory()
         if self.uses_param_mixed_precision:

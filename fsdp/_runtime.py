@@ -23,6 +23,11 @@
 Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
 returns; the next synchronised backward reduces the accumulated sum.
 
+[Note: FSDP under torch.compile]
+Compiling a model that FSDP wraps compiles the modules' own computation; the
+FSDP hooks (unshard, reshard, reduce) run eagerly: dynamo breaks the graph at
+them instead of tracing storage resizes and collectives it cannot capture.
+
 [Note: Execution order and prefetch]
 The first iteration records the order in which units run forward. Forward
 prefetch unshards the next unit in that order; backward prefetch the previous
@@ -62,6 +67,11 @@ from fsdp.api import (
     StateDictConfig,
     StateDictType,
 )
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs ``fn`` eagerly under ``torch.compile`` (see [Note: FSDP under torch.compile])."""
+    return torch._disable_dynamo(fn, recursive=True)
 
 
 @dataclass(frozen=True)
@@ -262,6 +272,7 @@ class FSDPState:
 
     # -- forward -------------------------------------------------------------------------
 
+    @_eager
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
         if not self.is_root:
@@ -278,6 +289,7 @@ class FSDPState:
                     args, kwargs = _cast_floats(dtype, args, kwargs)
         return args, kwargs
 
+    @_eager
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         mp = self.config.mixed_precision
         if mp.cast_forward_inputs and mp.param_dtype is not None and not self.full_precision_now():
@@ -300,6 +312,7 @@ class FSDPState:
                 )
         return args, kwargs
 
+    @_eager
     def post_forward(self, output: Any) -> Any:
         handle = self.handle
         with record_function("FSDP::post_forward"):
@@ -348,6 +361,7 @@ class FSDPState:
 
         return hook
 
+    @_eager
     def _pre_backward(self, handle: FlatParamHandle | None) -> None:
         context = self.root
         if not context.backward_started:
@@ -375,6 +389,7 @@ class FSDPState:
 
         return hook
 
+    @_eager
     def _post_backward(self, handle: FlatParamHandle) -> None:
         with record_function("FSDP::post_backward"):
             handle._post_backward_called = True
@@ -424,6 +439,7 @@ class FSDPState:
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         return self.world_size * replicas
 
+    @_eager
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback."""
         with record_function("FSDP::post_backward_final_callback"):

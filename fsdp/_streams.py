@@ -8,7 +8,9 @@ stream, so communication overlaps the computation on the current stream.
 - The unshard stream waits for the current stream once per iteration, at the
   root's pre-forward (the optimizer has finished updating the shards); it does
   not wait again before each all-gather, so a prefetched all-gather runs while
-  the previous layer computes.
+  the previous layer computes. Unshards outside forward and backward
+  (summon_full_params, state dicts) wait each time: the shards may have just
+  been updated by an optimizer step or a writeback.
 - Computation waits for an unshard with an event recorded after it.
 - Unsharded storage is allocated on the unshard stream and used on the current
   stream: before it is freed it is recorded on the current stream, so the

@@ -109,6 +109,9 @@ def expose_full_params(
         return
     handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     handle.set_force_full_precision(True)
+    # Outside forward nothing else orders the all-gather after the optimizer
+    # step or a writeback on the current stream (see fsdp._streams).
+    state.root.streams.unshard_waits_for_compute()
     state.unshard(handle)
     state.wait_for_unshard(handle)
     if with_grads:

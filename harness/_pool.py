@@ -47,7 +47,8 @@ from harness._protocol import (
 
 _START_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 5.0
-_STACK_WAIT_S = 1.5
+_STACK_WAIT_S = 3.0
+_STABLE_POLLS = 4
 _LOOPBACK_ENV = (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
 
 
@@ -120,13 +121,14 @@ class RankProcess:
         before = _size(self.stacks_file)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, _worker.STACK_SIGNAL)
+        # faulthandler writes frame by frame: wait until the file has grown and
+        # then stayed the same size for a while (a loaded machine is slow).
         deadline = time.monotonic() + _STACK_WAIT_S
-        size = before
-        while time.monotonic() < deadline:
+        size, stable = before, 0
+        while time.monotonic() < deadline and stable < _STABLE_POLLS:
             time.sleep(0.05)
             new_size = _size(self.stacks_file)
-            if new_size > before and new_size == size:
-                break
+            stable = stable + 1 if new_size > before and new_size == size else 0
             size = new_size
         with open(self.stacks_file, "rb") as f:
             f.seek(before)

@@ -50,7 +50,7 @@ class TestCollectivePatches(FSDPTest):
         """A patch calls the function that was current when it was made, so a
         patch made inside a recorder reaches the recorder too."""
         seen: list[torch.dtype] = []
-        model = FSDP(_model(), sharding_strategy=ShardingStrategy.FULL_SHARD)
+        model = FSDP(_model().to(self.device), sharding_strategy=ShardingStrategy.FULL_SHARD)
         with CollectiveRecorder() as recorder:
             original = current(Collective.REDUCE_SCATTER)
 
