@@ -143,3 +143,30 @@ class TestMisc(FSDPTest):
                 optim.zero_grad()
                 losses.append(loss)
             self.assertEqual(losses[0], losses[1])
+
+
+class TestCompile(FSDPTest):
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    def test_compiled_model_matches_eager(self, strategy):
+        """torch.compile compiles the modules; FSDP's hooks run eagerly (aot_eager
+        backend, so this runs on the CPU too; the seed's test_fsdp_compile uses
+        Inductor on GPUs)."""
+        torch.manual_seed(0)
+        kwargs = {
+            "auto_wrap_policy": ModuleWrapPolicy({nn.Linear}),
+            "use_orig_params": True,
+            "sharding_strategy": ShardingStrategy[strategy],
+        }
+        eager = FSDP(_model(), **kwargs)
+        compiled = torch.compile(FSDP(_model(), **kwargs), backend="aot_eager")
+        optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+        for _ in range(4):
+            x = torch.randn(3, 5, device=current_device())
+            losses = []
+            for m, optim in zip((eager, compiled), optims):
+                optim.zero_grad()
+                loss = m(x).sum()
+                loss.backward()
+                optim.step()
+                losses.append(loss)
+            self.assertEqual(losses[0], losses[1])
