@@ -36,6 +36,18 @@ original names. Before every unshard, changes the user made (``.data``
 assignment, a new Parameter, a new ``.grad``) are written back into the flat
 parameter. Strategies that do not reshard after forward keep forward's views
 until backward; changing a parameter in between is an error.
+
+[Note: The post-backward hook's node]
+Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
+with CPU offload or parameter mixed precision) makes autograd start a new
+``AccumulateGrad`` node for the flat parameter. With several forwards before
+one backward, each forward's views then feed their own node, and each node
+accumulates into the same ``.grad``. A hook on the tensor
+(``register_post_accumulate_grad_hook``) would fire at the first node to finish,
+resharding while an earlier forward's backward still needs the unsharded data.
+The hook therefore goes on the node of the first forward of the iteration: its
+backward runs last. If that forward's graph is never backpropagated, the
+runtime's end-of-backward callback runs the post-backward step instead.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from fsdp._common import HandleTrainingState
 
@@ -158,9 +171,13 @@ def _aligned_numel(dtype: torch.dtype) -> int:
 
 
 def _assign_grad(tensor: Tensor, grad: Tensor | None) -> None:
-    """Sets ``tensor.grad``, also when the gradient's dtype differs (low-precision
-    gradients): ``.grad`` only accepts a matching tensor, ``.grad.data`` anything."""
-    if grad is None or (grad.dtype == tensor.dtype and grad.shape == tensor.shape):
+    """Sets ``tensor.grad``, also when the gradient's dtype, shape or device
+    differs (low-precision gradients; an unsharded gradient on the device for a
+    parameter offloaded to the CPU under ``no_sync``): ``.grad`` only accepts a
+    matching tensor, ``.grad.data`` anything."""
+    if grad is None or (
+        grad.dtype == tensor.dtype and grad.shape == tensor.shape and grad.device == tensor.device
+    ):
         tensor.grad = grad
         return
     tensor.grad = None
@@ -261,7 +278,7 @@ class FlatParamHandle:
     _ran_pre_backward_hook: bool
     _post_backward_called: bool
     _prefetched: bool
-    _post_backward_hook_registered: bool
+    _post_backward_hook: tuple[Any, RemovableHandle] | None
 
     def __init__(
         self,
@@ -315,7 +332,7 @@ class FlatParamHandle:
         self._ran_pre_backward_hook = False
         self._post_backward_called = False
         self._prefetched = False
-        self._post_backward_hook_registered = False
+        self._post_backward_hook = None
         self.flat_param = self._flatten()
 
     # -- construction -----------------------------------------------------------
@@ -918,6 +935,7 @@ class FlatParamHandle:
             self._use_unsharded_grad_views()
 
     def reset_iteration(self) -> None:
+        self.remove_post_backward_hook()
         self._training_state = HandleTrainingState.IDLE
         self._ran_pre_backward_hook = False
         self._post_backward_called = False
@@ -936,14 +954,22 @@ class FlatParamHandle:
     def orig_params(self) -> list[nn.Parameter]:
         return self._params
 
-    def register_post_backward_hook(self, hook: Callable[[Tensor], None]) -> bool:
-        """Registers ``hook`` on the flat parameter once (it stays registered);
-        returns whether this call registered it."""
-        if self._post_backward_hook_registered or not self.flat_param.requires_grad:
+    def register_post_backward_hook(self, hook: Callable[[], None]) -> bool:
+        """Hooks the ``AccumulateGrad`` node that views made from the flat
+        parameter now feed, once per iteration; returns whether this call
+        registered it. See [Note: The post-backward hook's node]."""
+        if self._post_backward_hook is not None or not self.flat_param.requires_grad:
             return False
-        self.flat_param.register_post_accumulate_grad_hook(hook)
-        self._post_backward_hook_registered = True
+        grad_fn = self.flat_param.expand_as(self.flat_param).grad_fn
+        assert grad_fn is not None, "the post-backward hook needs autograd enabled"
+        node = grad_fn.next_functions[0][0]
+        self._post_backward_hook = (node, node.register_hook(lambda *_: hook()))
         return True
+
+    def remove_post_backward_hook(self) -> None:
+        if self._post_backward_hook is not None:
+            self._post_backward_hook[1].remove()
+            self._post_backward_hook = None
 
 
 def _check_writeback_shape(tensor: Tensor, expected: torch.Size, is_param: bool) -> None:

@@ -305,7 +305,8 @@ class FSDPState:
             self.unshard(handle)
             self.wait_for_unshard(handle)
             handle._use_unsharded_views(as_params=False)
-            self._register_post_backward_hook(handle)
+            if torch.is_grad_enabled():
+                self._register_post_backward_hook(handle)
             if self.config.forward_prefetch:
                 self._prefetch(
                     self.root.exec_order.forward_next(handle), HandleTrainingState.FORWARD
@@ -349,7 +350,8 @@ class FSDPState:
         return tree_map_only(Tensor, register, output)
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
-        """Registers the post-backward hook on the flat parameter (once: it stays)."""
+        """Hooks the first forward's ``AccumulateGrad`` node of this iteration
+        (see [Note: The post-backward hook's node])."""
         handle.register_post_backward_hook(self._make_post_backward_hook(handle))
 
     # -- backward ------------------------------------------------------------------------
@@ -383,8 +385,8 @@ class FSDPState:
                     context.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE
                 )
 
-    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[Tensor], None]:
-        def hook(flat_param: Tensor) -> None:
+    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
+        def hook() -> None:
             self._post_backward(handle)
 
         return hook
@@ -444,6 +446,8 @@ class FSDPState:
         """The root's end-of-backward callback."""
         with record_function("FSDP::post_backward_final_callback"):
             context = self.root
+            for state in context.states:
+                state._post_backward_if_missed()
             context.streams.compute_waits_for_reduce()
             offloads = False
             for state in context.states:
@@ -453,6 +457,17 @@ class FSDPState:
                 context.streams.synchronize()
             context.backward_started = False
             context.exec_order.next_iteration()
+
+    def _post_backward_if_missed(self) -> None:
+        """A unit that took part in this backward but whose hooked node never
+        ran (the first forward's graph was dropped) is finished here."""
+        handle = self.handle
+        if (
+            handle is not None
+            and handle._ran_pre_backward_hook
+            and not handle._post_backward_called
+        ):
+            self._post_backward(handle)
 
     def _finalize_unit(self) -> None:
         handle = self.handle

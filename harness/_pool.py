@@ -35,10 +35,12 @@ import torch.distributed as dist
 
 from harness import _stacks, _worker
 from harness._protocol import (
+    BodyReturned,
     Proceed,
     Ready,
     RunTest,
     Shutdown,
+    Status,
     SubtestFinished,
     SubtestStarted,
     TestFinished,
@@ -47,6 +49,7 @@ from harness._protocol import (
 
 _START_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 5.0
+_SIGNAL_WAIT_S = 1.5
 _STACK_WAIT_S = 3.0
 _STABLE_POLLS = 4
 _LOOPBACK_ENV = (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
@@ -84,6 +87,7 @@ class RankProcess:
     conn: Connection
     output_file: Path
     stacks_file: Path
+    stack_requests: Connection
     output_offset: int = 0
 
     @property
@@ -115,24 +119,33 @@ class RankProcess:
         return data.decode("utf-8", errors="replace")
 
     def dump_stack(self) -> str:
-        """Asks the rank for the Python stacks of all its threads."""
+        """Asks the rank for the Python stacks of all its threads: by signal
+        (answered even while a C call holds the GIL), else through the rank's
+        stack thread (answered even where a library took over the signal)."""
         if self.process.exitcode is not None:
             return ""
         before = _size(self.stacks_file)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, _worker.STACK_SIGNAL)
-        # faulthandler writes frame by frame: wait until the file has grown and
-        # then stayed the same size for a while (a loaded machine is slow).
-        deadline = time.monotonic() + _STACK_WAIT_S
+        if not self._await_stack(before, _SIGNAL_WAIT_S):
+            with contextlib.suppress(OSError):
+                self.stack_requests.send_bytes(b"dump")
+            self._await_stack(before, _STACK_WAIT_S)
+        with open(self.stacks_file, "rb") as f:
+            f.seek(before)
+            return f.read().decode("utf-8", errors="replace")
+
+    def _await_stack(self, before: int, wait_s: float) -> bool:
+        """Waits until the stacks file has grown and then kept its size for a
+        while (faulthandler writes frame by frame; a loaded machine is slow)."""
+        deadline = time.monotonic() + wait_s
         size, stable = before, 0
         while time.monotonic() < deadline and stable < _STABLE_POLLS:
             time.sleep(0.05)
             new_size = _size(self.stacks_file)
             stable = stable + 1 if new_size > before and new_size == size else 0
             size = new_size
-        with open(self.stacks_file, "rb") as f:
-            f.seek(before)
-            return f.read().decode("utf-8", errors="replace")
+        return size > before
 
 
 def _size(path: Path) -> int:
@@ -151,6 +164,7 @@ class RankResult:
     output: str = ""
     current_subtest: tuple[int, str] | None = None
     deselected: int = 0
+    body_returned: Status | None = None
 
     def deselected_total(self) -> int:
         return self.finished.deselected if self.finished is not None else self.deselected
@@ -210,15 +224,17 @@ class RankPool:
         ctx = mp.get_context("spawn")
         for rank in range(self.key.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
+            stack_reader, stack_writer = ctx.Pipe(duplex=False)
             spec = self._spec(rank, port, sys_path)
             process = ctx.Process(
                 target=_worker.main,
-                args=(spec, child_conn),
+                args=(spec, child_conn, stack_reader),
                 name=f"harness-rank{rank}",
                 daemon=True,
             )
             process.start()
             child_conn.close()
+            stack_reader.close()
             self._ranks.append(
                 RankProcess(
                     rank,
@@ -226,6 +242,7 @@ class RankPool:
                     parent_conn,
                     _worker.output_path(self._tmpdir.name, rank),
                     _worker.stacks_path(self._tmpdir.name, rank),
+                    stack_writer,
                 )
             )
         self._await_ready()
@@ -316,6 +333,7 @@ class RankPool:
         _stop_processes([r.process for r in self._ranks], graceful=self.state.is_ready())
         for proc in self._ranks:
             proc.conn.close()
+            proc.stack_requests.close()
         self._store = None
         self._tmpdir.cleanup()
         self.state = PoolState.STOPPED
@@ -402,6 +420,8 @@ class _AttemptDriver:
             )
         elif isinstance(message, SubtestFinished):
             self._on_subtest_finished(rank, message)
+        elif isinstance(message, BodyReturned):
+            result.body_returned = message.status
         elif isinstance(message, TestFinished):
             result.finished = message
             result.current_subtest = None

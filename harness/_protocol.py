@@ -110,6 +110,14 @@ class SubtestCounts:
 
 
 @dataclass(frozen=True)
+class BodyReturned:
+    """The test body returned; the rank now waits for its queued device work."""
+
+    rank: int
+    status: Status
+
+
+@dataclass(frozen=True)
 class TestFinished:
     rank: int
     status: Status

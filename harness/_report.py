@@ -215,6 +215,15 @@ def _stopped_section(result: RankResult, final: Attempt) -> str:
     where = ""
     if result.current_subtest is not None:
         where = f" in subtest {result.current_subtest[0]} [{result.current_subtest[1]}]"
+    if result.body_returned is not None:
+        when = "at the deadline" if final.timed_out else "when another rank failed"
+        return (
+            f"=== rank {result.rank}: the test body returned "
+            f"({result.body_returned.value}), but its queued device work was still "
+            f"unfinished {when} ===\n"
+            "(a collective that another rank never joined? On CUDA, NCCL collectives "
+            "such as barrier() return to Python before they complete.)"
+        )
     if final.timed_out:
         why = f"still running{where} at the deadline"
     else:

@@ -12,7 +12,15 @@ import torch.distributed as dist
 from harness import _rank
 from harness._importer import import_test_module, resolve_qualname
 from harness._isolation import GroupTracker, StateBaseline, default_group_alive
-from harness._protocol import Ready, RunTest, Shutdown, Status, TestFinished, WorkerSpec
+from harness._protocol import (
+    BodyReturned,
+    Ready,
+    RunTest,
+    Shutdown,
+    Status,
+    TestFinished,
+    WorkerSpec,
+)
 from harness._worker import pg_timeout
 
 # Environment variables a rank reads to know where it runs (see harness.fsdp_api).
@@ -90,6 +98,10 @@ def run_test(
         status, text, exc_type = _call_test(message, baseline)
     finally:
         _rank.activate(None)
+    # On CUDA the body may return with a collective still queued (an NCCL
+    # barrier does not block the host): the parent learns that the wait below
+    # is for device work, not for the test's Python code.
+    conn.send(BodyReturned(spec.rank, status))
     healthy = _settle(device, groups)
     return TestFinished(
         rank=spec.rank,

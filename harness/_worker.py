@@ -5,7 +5,8 @@ A rank is started with the spawn method, so nothing of the pytest process
 (CUDA state, threads, patched modules) leaks into it. It redirects its output to
 a file the pytest process reads per test, arms ``faulthandler`` (fatal signals
 write a Python stack; SIGUSR1 dumps every thread's stack on request, which is
-how a hang is explained), watches its parent so that it never outlives the
+how a hang is explained; a thread answers the same request over a pipe, for the
+case where a library took the signal over), watches its parent so that it never outlives the
 session, joins the process group over a TCPStore the parent is hosting, and
 then serves ``RunTest`` messages until ``Shutdown`` or until its pipe closes.
 """
@@ -36,11 +37,12 @@ def stacks_path(output_dir: str, rank: int) -> Path:
     return Path(output_dir) / f"rank{rank}.stacks"
 
 
-def main(spec: object, conn: Connection) -> None:
+def main(spec: object, conn: Connection, stack_requests: Connection) -> None:
     from harness._protocol import WorkerSpec
 
     assert isinstance(spec, WorkerSpec)
     _prepare_process(spec)
+    _serve_stack_requests(stack_requests)
     from harness._runner import serve
 
     exit_code = serve(spec, conn)
@@ -67,6 +69,22 @@ def _prepare_process(spec: object) -> None:
 
 
 _STACK_FILES: list[TextIO] = []
+
+
+def _serve_stack_requests(requests: Connection) -> None:
+    """Dumps every thread's stack for each request on ``requests``. The thread
+    blocks in ``recv`` (without the GIL) and ends when the pool closes the pipe."""
+
+    def serve() -> None:
+        while True:
+            try:
+                requests.recv_bytes()
+            except (EOFError, OSError):
+                return
+            faulthandler.dump_traceback(file=_STACK_FILES[-1], all_threads=True)
+            _STACK_FILES[-1].flush()
+
+    threading.Thread(target=serve, name="harness-stack-dump", daemon=True).start()
 
 
 def _redirect_output(path: Path) -> None:

@@ -136,13 +136,13 @@ class TestModelInit(FSDPTest):
 
         first = build()
         self.assertEqual(build(), first, rtol=EXACT.rtol, atol=EXACT.atol)
-        gathered: list[dict[str, torch.Tensor] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, {k: v.cpu() for k, v in first.items()})
-        other = gathered[1 if self.rank == 0 else 0]
-        assert other is not None
+        peer = 1 if self.rank == 0 else 0
         for name, param in first.items():
+            # Tensor all-gather, not ``all_gather_object``: that one needs numpy.
+            gathered = [torch.empty_like(param) for _ in range(self.world_size)]
+            dist.all_gather(gathered, param.contiguous())
             rank_local = model_class is MixtureOfExperts and name.startswith("module.2.")
-            same = torch.equal(param.cpu(), other[name])
+            same = torch.equal(param, gathered[peer])
             self.assertEqual(same, not rank_local, f"{name}: equal across ranks is {same}")
 
     def test_mixture_of_experts_expert_unit_is_rank_local(self) -> None:
