@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,15 @@ from harness.collectives import (
     current,
     patch_reduce_scatter,
 )
-from harness.fsdp_api import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+from harness.fsdp_api import (
+    FSDP,
+    IMPL,
+    CPUOffload,
+    FlatParamHandle,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+)
 
 
 def _model() -> nn.Module:
@@ -81,3 +90,37 @@ class TestCollectivePatches(FSDPTest):
         with CollectiveRecorder():
             pass
         self.assertEqual({n: getattr(dist, n) for n in before}, before)
+
+
+class TestSeedDtypeCheckSeesOurReduceScatter(FSDPTest):
+    """The mixed-precision seed checks the dtype of every reduce-scatter input
+    through ``patch_reduce_scatter``. With our FSDP deliberately reducing in
+    ``param_dtype`` instead of ``reduce_dtype``, that check must fail."""
+
+    def test_wrong_reduce_dtype_fails_the_seed_check(self) -> None:
+        if IMPL != "local":
+            self.skipTest("patches this project's FlatParamHandle")
+        from suites.test_mixed_precision import TestFSDPMixedPrecisionSharded
+
+        suite = TestFSDPMixedPrecisionSharded.__new__(TestFSDPMixedPrecisionSharded)
+        run = functools.partial(
+            suite._run_test_mixed_precision_e2e,
+            mp_config=MixedPrecision(torch.float16, torch.float32, torch.float16),
+            cpu_offload=CPUOffload(offload_params=False),
+            backward_prefetch=None,
+            forward_prefetch=False,
+            full_precision_param_dtype=torch.float32,
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            enable_sharded_grad_scaler=None,
+        )
+        run()  # the right path passes the check
+
+        def param_dtype_instead(handle: FlatParamHandle) -> torch.dtype:
+            return handle._mp_param_dtype or handle._orig_param_dtype
+
+        with mock.patch.object(FlatParamHandle, "reduce_dtype", param_dtype_instead):
+            with self.assertRaisesRegex(
+                AssertionError,
+                "Expected to reduce in torch.float32 but got tensors in torch.float16",
+            ):
+                run()
