@@ -7,7 +7,6 @@ it fail. Every test runs against both implementations (``--fsdp-impl``).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 from collections.abc import Callable
@@ -281,6 +280,14 @@ class TestReplicasInSync(FSDPTest):
         self.assertEqual(full, [p.detach() for p in reference.parameters()])
 
 
+def _offloadable_model(offload: bool, **kwargs: object) -> nn.Module:
+    """The wrapped test model, built on the CPU when its parameters are offloaded."""
+    if not _cpu_offload_runs(offload):
+        pytest.skip("torch's FSDP cannot offload parameters without an accelerator")
+    base = _blocks().cpu() if offload else _blocks()
+    return _wrap(base, cpu_offload=CPUOffload(offload), **kwargs)
+
+
 class TestGradientAccumulation(FSDPTest):
     """Class 4: K microbatches under ``no_sync`` (or K backward passes without
     ``zero_grad``) give the gradient of one K-times batch, for every offload x
@@ -289,18 +296,13 @@ class TestGradientAccumulation(FSDPTest):
 
     def test_no_sync_microbatches_equal_one_big_batch(self) -> None:
         """K=3 microbatches under no_sync, then one synced: equals one batch."""
-        self._trained = 0
         config = {
             "sharding_strategy": list(ALL_STRATEGIES),
             "offload": [False, True],
             "use_orig_params": [False, True],
             "use_no_sync": [True, False],
         }
-        self.run_subtests(config, self._check_accumulation)
-        expected = sum(
-            1 for combo in itertools.product(*config.values()) if _cpu_offload_runs(combo[1])
-        )
-        self.assertEqual(self._trained, expected, msg="configurations silently skipped")
+        _run_counting_trained(self, config, self._check_accumulation)
 
     def _check_accumulation(
         self,
@@ -309,14 +311,8 @@ class TestGradientAccumulation(FSDPTest):
         use_orig_params: bool,
         use_no_sync: bool,
     ) -> None:
-        if not _cpu_offload_runs(offload):
-            pytest.skip("torch's FSDP cannot offload parameters without an accelerator")
-        base = _blocks().cpu() if offload else _blocks()
-        model = _wrap(
-            base,
-            sharding_strategy=sharding_strategy,
-            cpu_offload=CPUOffload(offload),
-            use_orig_params=use_orig_params,
+        model = _offloadable_model(
+            offload, sharding_strategy=sharding_strategy, use_orig_params=use_orig_params
         )
         reference = _ddp(_blocks())
         micro = [_input(self.rank, batch=2, step=k) for k in range(3)]
@@ -327,7 +323,24 @@ class TestGradientAccumulation(FSDPTest):
                 model(x).sum().backward()
         model(micro[-1]).sum().backward()
         _compare_through_a_step(self, model, reference)
-        self._trained += 1
+
+
+def _run_counting_trained(
+    test: FSDPTest, config: dict[str, list[object]], check: Callable[..., None]
+) -> None:
+    """Runs every combination of ``config`` (which has an ``offload`` key) and
+    asserts that every combination that can run did train: a matrix that
+    silently skips its cases is how class 4 hid."""
+    trained: list[None] = []
+
+    def counted(**kwargs: object) -> None:
+        check(**kwargs)
+        trained.append(None)
+
+    test.run_subtests(config, counted)
+    expected = sum(1 for offload in config["offload"] if _cpu_offload_runs(bool(offload)))
+    expected *= math.prod(len(values) for key, values in config.items() if key != "offload")
+    test.assertEqual(len(trained), expected, msg="configurations silently skipped")
 
 
 def _compare_through_a_step(test: FSDPTest, model: nn.Module, reference: DDP) -> None:
@@ -349,18 +362,13 @@ class TestForwardsBeforeOneBackward(FSDPTest):
     backward (a crash) or reduces half a gradient (wrong values)."""
 
     def test_two_forwards_equal_a_replicated_reference(self) -> None:
-        self._trained = 0
         config = {
             "sharding_strategy": list(ALL_STRATEGIES),
             "param_dtype": [None, torch.float64],
             "offload": [False, True],
             "use_orig_params": [False, True],
         }
-        self.run_subtests(config, self._check_two_forwards)
-        expected = sum(
-            1 for combo in itertools.product(*config.values()) if _cpu_offload_runs(combo[2])
-        )
-        self.assertEqual(self._trained, expected, msg="configurations silently skipped")
+        _run_counting_trained(self, config, self._check_two_forwards)
 
     def _check_two_forwards(
         self,
@@ -369,32 +377,18 @@ class TestForwardsBeforeOneBackward(FSDPTest):
         offload: bool,
         use_orig_params: bool,
     ) -> None:
-        if not _cpu_offload_runs(offload):
-            pytest.skip("torch's FSDP cannot offload parameters without an accelerator")
-        base = _blocks().cpu() if offload else _blocks()
-        model = _wrap(
-            base,
+        model = _offloadable_model(
+            offload,
             sharding_strategy=sharding_strategy,
-            cpu_offload=CPUOffload(offload),
-            mixed_precision=MixedPrecision(param_dtype=param_dtype) if param_dtype else None,
+            mixed_precision=_param_precision(param_dtype),
             use_orig_params=use_orig_params,
         )
-        # The reference computes in the dtype FSDP computes in and averages
-        # its gradients over ranks by hand.
         reference = _blocks().to(param_dtype or torch.float32)
         x1, x2 = _input(self.rank, step=0), _input(self.rank, step=1)
-        for m in (model, reference):
-            dtype = param_dtype if m is reference and param_dtype else torch.float32
-            (m(x1.to(dtype)).sum() + m(x2.to(dtype)).sum()).backward()
-        for param in reference.parameters():
-            assert param.grad is not None
-            dist.all_reduce(param.grad)
-            param.grad.div_(self.world_size)
-        for m in (model, reference):
-            torch.optim.SGD(m.parameters(), lr=1.0).step()
-        expected = [p.detach().float() for p in reference.parameters()]
-        self.assertEqual(_full_params(model), expected)
-        self._trained += 1
+        model(x1).sum().add(model(x2).sum()).backward()
+        dtype = param_dtype or torch.float32
+        reference(x1.to(dtype)).sum().add(reference(x2.to(dtype)).sum()).backward()
+        _compare_with_replicated_reference(self, model, reference)
 
     def test_dropped_first_forward(self) -> None:
         """The first forward's output is dropped; only the second is backpropagated."""
@@ -421,21 +415,33 @@ class TestForwardsBeforeOneBackward(FSDPTest):
         model = _wrap(
             _blocks(),
             sharding_strategy=sharding_strategy,
-            mixed_precision=MixedPrecision(param_dtype=param_dtype) if param_dtype else None,
+            mixed_precision=_param_precision(param_dtype),
         )
         reference = _blocks().to(param_dtype or torch.float32)
         x1, x2 = _input(self.rank, step=0), _input(self.rank, step=1)
         model(x1).sum()  # builds a graph that is never backpropagated
         model(x2).sum().backward()
         reference(x2.to(param_dtype or torch.float32)).sum().backward()
-        for param in reference.parameters():
-            assert param.grad is not None
-            dist.all_reduce(param.grad)
-            param.grad.div_(self.world_size)
-        for m in (model, reference):
-            torch.optim.SGD(m.parameters(), lr=1.0).step()
-        expected = [p.detach().float() for p in reference.parameters()]
-        self.assertEqual(_full_params(model), expected)
+        _compare_with_replicated_reference(self, model, reference)
+
+
+def _param_precision(param_dtype: torch.dtype | None) -> MixedPrecision | None:
+    return MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
+
+
+def _compare_with_replicated_reference(
+    test: FSDPTest, model: nn.Module, reference: nn.Module
+) -> None:
+    """``reference`` is a plain replica that computed in FSDP's compute dtype:
+    its gradients are averaged over ranks by hand, then both take an SGD step
+    with lr=1 and the full parameters are compared."""
+    for param in reference.parameters():
+        assert param.grad is not None
+        dist.all_reduce(param.grad)
+        param.grad.div_(test.world_size)
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=1.0).step()
+    test.assertEqual(_full_params(model), [p.detach().float() for p in reference.parameters()])
 
 
 class TestPaddingAndOffsets(FSDPTest):
