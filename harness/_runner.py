@@ -51,6 +51,7 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
         device = torch.device("cuda", spec.rank)
     else:
         device = torch.device("cpu")
+        _one_thread_per_rank()
     store = dist.TCPStore(
         "127.0.0.1",
         spec.store_port,
@@ -67,6 +68,17 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
         device_id=device if spec.device_type == "cuda" else None,
     )
     return device
+
+
+def _one_thread_per_rank() -> None:
+    """[Note: CPU threads per rank]
+    Every rank of every xdist worker computes on the same cores; torch's default
+    of one intra-op thread per core would run ranks x workers x cores threads on
+    them, and the ranks of a collective wait for the slowest. The small models of
+    distributed tests gain nothing from intra-op threads, so a CPU rank uses one,
+    unless the user chose a number through ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def _shutdown_process_group() -> None:
