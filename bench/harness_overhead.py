@@ -1,6 +1,8 @@
 """Per-test overhead of the harness: 50 trivial 2-rank tests, pooled and fresh.
 
 Usage: python bench/harness_overhead.py [--device cpu|cuda] [--torch-baseline]
+(``--torch-baseline`` needs numpy, which torch's test utilities import:
+``pip install -e ".[bench]"``.)
 
 Prints, for each mode, the suite's wall time and the median per-test duration
 (setup + call + teardown, as pytest reports it; the tests do one all-reduce, so
@@ -12,6 +14,7 @@ spawn-per-test MultiProcessTestCase on the same tests.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -61,6 +64,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--torch-baseline", action="store_true")
     opts = parser.parse_args()
+    if opts.torch_baseline and importlib.util.find_spec("numpy") is None:
+        parser.error(
+            "--torch-baseline needs numpy (torch's test utilities import it): "
+            'pip install -e ".[bench]"'
+        )
     common = ["bench/trivial_tests.py", "--device", opts.device]
     wall, times = run_pytest(common)
     print(describe("pooled", wall, times, skip_first=True))
