@@ -462,6 +462,14 @@ class TestFSDPMixedPrecision(FSDPTest):
         self._assert_buffers_in_mixed_precision(model.buffers(), mp_config)
 
 
+# The subtests of the three FSDP_USE_FULL_PREC_IN_EVAL tests.
+_FULL_PREC_IN_EVAL_SUBTESTS: dict[str, list[Any]] = {
+    "use_composable": [True, False],
+    "cast_forward_inputs": [True, False],
+    "use_full_prec_in_eval": [True, False],
+}
+
+
 class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
     @property
     def world_size(self) -> int:
@@ -719,11 +727,7 @@ class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
         """Eval runs in full precision if FSDP_USE_FULL_PREC_IN_EVAL is set, else in fp16;
         training always in fp16 with fp32 gradients."""
         self.run_subtests(
-            {
-                "use_composable": [True, False],
-                "cast_forward_inputs": [True, False],
-                "use_full_prec_in_eval": [True, False],
-            },
+            _FULL_PREC_IN_EVAL_SUBTESTS,
             self._test_full_precision_in_eval,
         )
 
@@ -774,11 +778,7 @@ class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
         """With FSDP_USE_FULL_PREC_IN_EVAL set, eval keeps buffers in their original
         precision, and training casts them back."""
         self.run_subtests(
-            {
-                "use_composable": [True, False],
-                "cast_forward_inputs": [True, False],
-                "use_full_prec_in_eval": [True, False],
-            },
+            _FULL_PREC_IN_EVAL_SUBTESTS,
             self._test_full_precision_in_eval_buffers,
         )
 
@@ -840,11 +840,7 @@ class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
         """A backward in eval reduces gradients in full precision exactly when
         FSDP_USE_FULL_PREC_IN_EVAL is set."""
         self.run_subtests(
-            {
-                "use_composable": [True, False],
-                "cast_forward_inputs": [True, False],
-                "use_full_prec_in_eval": [True, False],
-            },
+            _FULL_PREC_IN_EVAL_SUBTESTS,
             self._test_full_precision_in_eval_comm,
         )
 

@@ -587,13 +587,8 @@ class TestWriteback(FSDPTest):
     def _check_summon_edit(
         self, sharding_strategy: ShardingStrategy, offload: bool, use_orig_params: bool
     ) -> None:
-        if not _cpu_offload_runs(offload):
-            pytest.skip("torch's FSDP cannot offload parameters without an accelerator")
-        model = _wrap(
-            _blocks().cpu() if offload else _blocks(),
-            sharding_strategy=sharding_strategy,
-            cpu_offload=CPUOffload(offload),
-            use_orig_params=use_orig_params,
+        model = _offloadable_model(
+            offload, sharding_strategy=sharding_strategy, use_orig_params=use_orig_params
         )
         reference = _blocks()
         model(_input(self.rank))
