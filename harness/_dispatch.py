@@ -18,16 +18,22 @@ class TestRequest:
     placement: Placement
     message: RunTest
     fresh_pool: bool
-    timeout_s: float
+    timeout_s: float  # the ranks' time on the test (see run())
     grace_s: float
+    wall_limit_s: float | None = None  # pytest-timeout's, less a margin; pool start included
 
     def info(self) -> RunInfo:
         return RunInfo(
             self.key.world_size,
             self.placement.device_type,
             self.placement.backend,
-            self.timeout_s,
+            self.reported_timeout_s(),
         )
+
+    def reported_timeout_s(self) -> float:
+        if self.wall_limit_s is None:
+            return self.timeout_s
+        return min(self.timeout_s, self.wall_limit_s)
 
 
 class PoolManager:
@@ -84,8 +90,18 @@ class PoolManager:
 
 
 def run(manager: PoolManager, request: TestRequest) -> Verdict:
-    """Runs the test, resuming after a subtest whose failure broke the pool."""
-    deadline = time.monotonic() + request.timeout_s
+    """Runs the test, resuming after a subtest whose failure broke the pool.
+
+    [Note: What a test's deadline counts]
+    ``timeout_s`` counts the time the ranks spend on the test, not the time a
+    pool takes to start (the pool's own start timeout bounds that). On CUDA a
+    fresh pool spends seconds spawning processes and initialising CUDA and NCCL;
+    counted against a short ``dist_timeout``, that start left the ranks a
+    fraction of a second, and a hang was reported with stacks from the rank's
+    setup. pytest-timeout's limit runs from the start of the call whatever
+    happens in it, so ``wall_limit_s`` stays a wall-clock bound."""
+    wall_end = None if request.wall_limit_s is None else time.monotonic() + request.wall_limit_s
+    budget = request.timeout_s
     attempts: list[Attempt] = []
     message = request.message
     manager.tests_run += 1
@@ -94,12 +110,15 @@ def run(manager: PoolManager, request: TestRequest) -> Verdict:
             pool = manager.acquire(request)
         except PoolStartError as exc:
             return _start_failed(attempts, request, exc)
+        started = time.monotonic()
+        deadline = started + budget if wall_end is None else min(started + budget, wall_end)
         try:
             attempt = pool.execute(message, deadline, request.grace_s)
         finally:
             manager.release(pool, request)
         attempts.append(attempt)
-        if attempt.restart_after is None or time.monotonic() >= deadline:
+        budget -= time.monotonic() - started
+        if attempt.restart_after is None or time.monotonic() >= deadline or budget <= 0:
             return compose(attempts, request.info(), None)
         message = replace(message, resume_after=attempt.restart_after)
 

@@ -247,20 +247,25 @@ def _request(item: pytest.Function) -> TestRequest:
         or item.get_closest_marker("fresh_pool") is not None,
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
+        wall_limit_s=_wall_limit_s(item),
     )
 
 
 def _timeout_s(item: pytest.Item) -> float:
-    """Our deadline: the option, lowered by markers; kept below pytest-timeout's
-    own timer so that the stacks of the ranks are reported before it fires."""
-    timeout = float(item.config.getoption("dist_timeout"))
+    """Our deadline for the ranks' time on the test: the option, or the marker."""
     marker = item.get_closest_marker("dist_timeout")
     if marker is not None:
-        timeout = float(marker.args[0] if marker.args else marker.kwargs["seconds"])
+        return float(marker.args[0] if marker.args else marker.kwargs["seconds"])
+    return float(item.config.getoption("dist_timeout"))
+
+
+def _wall_limit_s(item: pytest.Item) -> float | None:
+    """Kept below pytest-timeout's own timer, so that the stacks of the ranks
+    are reported before it fires."""
     outer = _pytest_timeout_s(item)
-    if outer is not None and outer > 0:
-        timeout = min(timeout, outer - min(5.0, 0.1 * outer))
-    return timeout
+    if outer is None or outer <= 0:
+        return None
+    return outer - min(5.0, 0.1 * outer)
 
 
 def _pytest_timeout_s(item: pytest.Item) -> float | None:

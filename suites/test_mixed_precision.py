@@ -6,11 +6,14 @@ runs in (checked on the collective's input through ``patch_reduce_scatter``).
 
 [Note: bfloat16 configurations]
 Upstream adds ``mp_diff_buffer_and_reduce`` (bfloat16 buffers) only when NCCL
-reduces bfloat16. Here it is added when every backend the ranks may run on does:
-gloo from torch 2.13 on (a CPU run, or a GPU machine whose xdist worker owns too
-few GPUs, always uses gloo) and, when CUDA is present, NCCL from 2.10 on. The
+reduces bfloat16. Here it is added when a backend the ranks may run on does:
+NCCL from 2.10 on where CUDA is present, gloo from torch 2.13 on. The
 parametrization is decided at import, in the pytest process, where CUDA must
-not be initialised: only the torch version and the NCCL library version are read.
+not be initialised: only the torch version and the NCCL library version are
+read. A rank that lands on a backend without bfloat16 reductions (gloo before
+torch 2.13: a CPU run, or a GPU machine whose xdist worker owns too few GPUs)
+skips a bfloat16 configuration with that reason, and the single-configuration
+tests fall back to ``default_mp`` there.
 """
 
 from __future__ import annotations
@@ -56,15 +59,28 @@ from models import (
 )
 
 
-def _backend_supports_bf16() -> bool:
-    """See [Note: bfloat16 configurations]."""
-    gloo = TorchVersion(torch.__version__) >= "2.13"
-    if not torch.cuda.is_available():
-        return gloo
-    return gloo and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+def _gloo_supports_bf16() -> bool:
+    return TorchVersion(torch.__version__) >= "2.13"
 
 
-backend_supports_bf16 = _backend_supports_bf16()
+def _nccl_supports_bf16() -> bool:
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return False
+    return torch.cuda.nccl.version() >= (2, 10)
+
+
+# See [Note: bfloat16 configurations].
+backend_supports_bf16 = _gloo_supports_bf16() or _nccl_supports_bf16()
+
+
+def _rank_supports_bf16() -> bool:
+    """Whether this rank's backend reduces bfloat16 (called in a rank)."""
+    return dist.get_backend() != "gloo" or _gloo_supports_bf16()
+
+
+def _uses_bf16(mp: MixedPrecision) -> bool:
+    return torch.bfloat16 in (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype)
+
 
 # Parameters, buffers and reductions all in fp16.
 default_mp = MixedPrecision(
@@ -79,13 +95,14 @@ mp_only_param_and_buf = MixedPrecision(param_dtype=torch.float16, buffer_dtype=t
 # Nothing is cast: parameters, reductions, gradients and buffers in full precision.
 mp_no_mixed_precision = MixedPrecision()
 
+mp_diff_buffer_and_reduce = MixedPrecision(
+    param_dtype=torch.float16,
+    buffer_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32,
+)
+
 mp_configs = [default_mp, mp_only_reduce, mp_only_param_and_buf, mp_no_mixed_precision]
 if backend_supports_bf16:
-    mp_diff_buffer_and_reduce = MixedPrecision(
-        param_dtype=torch.float16,
-        buffer_dtype=torch.bfloat16,
-        reduce_dtype=torch.float32,
-    )
     mp_configs.extend([mp_diff_buffer_and_reduce])
 
 # The buffers' original dtype, which differs from the parameters'.
@@ -375,6 +392,8 @@ class TestFSDPMixedPrecision(FSDPTest):
         sharding_strategy: ShardingStrategy,
         enable_sharded_grad_scaler: str | bool | None,
     ) -> None:
+        if _uses_bf16(mp_config) and not _rank_supports_bf16():
+            pytest.skip("gloo before torch 2.13 cannot reduce bfloat16")
         fsdp_kwargs = {
             "sharding_strategy": sharding_strategy,
             "cpu_offload": cpu_offload,
@@ -490,7 +509,7 @@ class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
     def test_mixed_precision_no_reshard_after_forward(self) -> None:
         """SHARD_GRAD_OP with offloading and fp64 parameters keeps every dtype right."""
         # Not every configuration, to keep the test time down.
-        mp = mp_diff_buffer_and_reduce if backend_supports_bf16 else default_mp
+        mp = mp_diff_buffer_and_reduce if _rank_supports_bf16() else default_mp
         self._run_test_mixed_precision_e2e(
             mp_config=mp,
             cpu_offload=CPUOffload(offload_params=True),
@@ -932,7 +951,7 @@ class TestFSDPMixedPrecisionUnsharded(TestFSDPMixedPrecision):
     def test_mixed_precision_no_reshard_after_forward(self) -> None:
         """SHARD_GRAD_OP on one rank keeps every dtype right."""
         # Not every configuration, to keep the test time down.
-        mp = mp_diff_buffer_and_reduce if backend_supports_bf16 else default_mp
+        mp = mp_diff_buffer_and_reduce if _rank_supports_bf16() else default_mp
         self._run_test_mixed_precision_e2e(
             mp_config=mp,
             cpu_offload=CPUOffload(offload_params=True),
@@ -945,7 +964,7 @@ class TestFSDPMixedPrecisionUnsharded(TestFSDPMixedPrecision):
 
     def test_mixed_precision_e2e_full_shard(self) -> None:
         """FULL_SHARD on one rank keeps every dtype right."""
-        mp = mp_diff_buffer_and_reduce if backend_supports_bf16 else default_mp
+        mp = mp_diff_buffer_and_reduce if _rank_supports_bf16() else default_mp
         self._run_test_mixed_precision_e2e(
             mp_config=mp,
             cpu_offload=CPUOffload(offload_params=True),

@@ -119,6 +119,15 @@ HANGS = src(
                 while True:
                     time.sleep(0.05)
 
+        @pytest.mark.dist_timeout(3)
+        def test_queued_collective(self):
+            dist.barrier()  # the communicator is up: the first collective may block
+            if self.rank == 0:
+                dist.all_reduce(torch.ones(1, device=self.device))  # NCCL: queued
+            else:
+                while True:
+                    time.sleep(0.05)
+
         @pytest.mark.timeout(6)
         def test_pytest_timeout_marker(self):
             if self.rank == 1:
@@ -133,24 +142,28 @@ HANGS = src(
 
 def test_hang_reports_every_rank_stack_and_recovers(inner):
     run = inner(HANGS)
-    run.result.assert_outcomes(failed=3, passed=1)
+    run.result.assert_outcomes(failed=4, passed=1)
 
     report = run.section("test_hang")
     assert report.startswith("timed out after 3 s")
     rank0 = report.split("=== rank 0:")[1].split("=== rank 1:")[0]
     rank1 = report.split("=== rank 1:")[1]
-    if ON_GPU:  # an NCCL barrier returns to Python; the rank waits for the device
-        assert "the test body returned (passed), but its queued device work" in rank0
-    else:
-        assert "in barrier" in rank0 and "in test_hang" in rank0
+    assert "in barrier" in rank0 and "in test_hang" in rank0
     assert "in test_hang" in rank1 and "barrier" not in rank1
 
     # the rank's stack thread answers where the signal does not
     report = run.section("test_signal_taken_over")
     rank0 = report.split("=== rank 0:")[1].split("=== rank 1:")[0]
-    if not ON_GPU:
-        assert "in barrier" in rank0 and "in test_signal_taken_over" in rank0
+    assert "in barrier" in rank0 and "in test_signal_taken_over" in rank0
     assert "in test_signal_taken_over" in report.split("=== rank 1:")[1]
+
+    # an NCCL all_reduce returns to Python with its kernel queued; gloo's blocks
+    report = run.section("test_queued_collective")
+    rank0 = report.split("=== rank 0:")[1].split("=== rank 1:")[0]
+    if ON_GPU:
+        assert "the test body returned (passed), but its queued device work" in rank0
+    else:
+        assert "in all_reduce" in rank0 and "in test_queued_collective" in rank0
 
     # pytest-timeout's marker is honoured, with our report arriving first
     report = run.section("test_pytest_timeout_marker")

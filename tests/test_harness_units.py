@@ -4,10 +4,14 @@ selection, GPU slicing under xdist."""
 from __future__ import annotations
 
 import enum
+import time
 
 import pytest
 import torch
 
+from harness import _dispatch
+from harness._pool import Attempt, Placement, PoolKey
+from harness._protocol import RunTest
 from harness.assertions import Assertions, assert_equal
 from harness.devices import DevicePlan, gpu_slice
 from harness.parametrize import parametrize, subtest_name, value_id
@@ -114,3 +118,55 @@ def test_placement_under_each_device_option():
     reason = strict.placement(2)
     assert reason == "needs 2 GPUs but xdist worker gw1 of 2 owns GPUs [2]"
     assert DevicePlan("cpu", (), None).placement(2) == ("cpu", "gloo", "")
+
+
+class _SlowStartManager:
+    """Stands in for the pool manager: every pool takes ``start_s`` to start,
+    and the deadline each attempt is given is recorded as time left."""
+
+    def __init__(self, start_s: float, restarts: int = 0) -> None:
+        self.start_s = start_s
+        self.restarts = restarts
+        self.tests_run = 0
+        self.time_left: list[float] = []
+
+    def acquire(self, request: _dispatch.TestRequest) -> _SlowStartManager:
+        time.sleep(self.start_s)
+        return self
+
+    def release(self, pool: object, request: _dispatch.TestRequest) -> None:
+        pass
+
+    def execute(self, message: RunTest, deadline: float, grace_s: float) -> Attempt:
+        self.time_left.append(deadline - time.monotonic())
+        restart = 0 if len(self.time_left) <= self.restarts else None
+        return Attempt(ranks={}, restart_after=restart)
+
+
+def _request(timeout_s: float, wall_limit_s: float | None) -> _dispatch.TestRequest:
+    message = RunTest("t", "m", "m.py", "C", "test", {}, 0, (), False, (), -1)
+    return _dispatch.TestRequest(
+        key=PoolKey(2, "cpu"),
+        placement=Placement("cpu", "gloo", None),
+        message=message,
+        fresh_pool=False,
+        timeout_s=timeout_s,
+        grace_s=1.0,
+        wall_limit_s=wall_limit_s,
+    )
+
+
+def test_pool_start_does_not_count_against_the_test_deadline():
+    manager = _SlowStartManager(start_s=0.4, restarts=1)
+    _dispatch.run(manager, _request(timeout_s=1.0, wall_limit_s=None))  # type: ignore[arg-type]
+    first, resumed = manager.time_left
+    assert first > 0.9  # the 0.4 s start is not taken from the test's 1 s
+    assert 0.8 < resumed <= first  # a resumed attempt gets what the first left
+
+
+def test_pytest_timeout_limit_counts_the_pool_start():
+    manager = _SlowStartManager(start_s=0.4)
+    request = _request(timeout_s=10.0, wall_limit_s=1.0)
+    _dispatch.run(manager, request)  # type: ignore[arg-type]
+    assert 0.4 < manager.time_left[0] < 0.65
+    assert request.info().timeout_s == 1.0
