@@ -111,8 +111,8 @@ def run_test(
     finally:
         _rank.activate(None)
     # On CUDA the body may return with a collective still queued (an NCCL
-    # barrier does not block the host): the parent learns that the wait below
-    # is for device work, not for the test's Python code.
+    # all_reduce does not block the host): the parent learns that the wait
+    # below is for device work, not for the test's Python code.
     conn.send(BodyReturned(spec.rank, status))
     healthy = _settle(device, groups)
     return TestFinished(

@@ -72,9 +72,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="per-test deadline; on expiry every rank's Python stack is reported and "
-        "the ranks are stopped. A dist_timeout or pytest-timeout timeout marker, or "
-        "pytest-timeout's ini value, lowers it. Default: 600.",
+        help="per-test deadline on the ranks' time (starting a pool is not counted); "
+        "on expiry every rank's Python stack is reported and the ranks are stopped. "
+        "A dist_timeout marker replaces it; pytest-timeout's marker, option or ini "
+        "value also bounds the whole call, pool start included. Default: 600.",
     )
     group.addoption(
         "--fail-grace",
