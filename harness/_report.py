@@ -48,7 +48,7 @@ def compose(attempts: Sequence[Attempt], info: RunInfo, start_error: str | None)
         text = "\n\n".join([header, *sections, *rank_sections]).rstrip() + "\n"
         return Verdict(status, text, counts, outputs)
     if status is Status.SKIPPED:
-        return Verdict(status, _skip_reason(final), counts, outputs)
+        return Verdict(status, _skip_reason(final, subtests), counts, outputs)
     return Verdict(status, "", counts, outputs)
 
 
@@ -87,13 +87,21 @@ def _status(final: Attempt, counts: SubtestCounts | None) -> Status:
         return Status.FAILED
     if any(s is Status.SKIPPED for s in statuses):
         return Status.SKIPPED
+    if counts is not None and counts.ran and counts.skipped == counts.ran:
+        # [Note: A test whose every subtest skipped] checked nothing: reported
+        # as passed, it would hide the missing coverage in the counts.
+        return Status.SKIPPED
     return Status.PASSED
 
 
-def _skip_reason(final: Attempt) -> str:
+def _skip_reason(final: Attempt, subtests: dict[int, SubtestRecord]) -> str:
     for result in final.ranks.values():
         if result.finished is not None and result.finished.status is Status.SKIPPED:
             return result.finished.text
+    for record in subtests.values():
+        for finished in record.finished.values():
+            if finished.status is Status.SKIPPED:
+                return f"every subtest skipped; subtest {record.index}: {finished.text}"
     return "skipped"
 
 

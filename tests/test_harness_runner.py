@@ -199,13 +199,18 @@ SUBTESTS = src(
                 if n == 0:
                     pytest.skip("n=0 does not apply")
             self.run_subtests({"n": [0, 1]}, body)
+
+        def test_every_combination_skipped(self):
+            def body(n):
+                pytest.skip(f"n={n} does not apply here")
+            self.run_subtests({"n": [0, 1]}, body)
     """
 )
 
 
 def test_subtests_continue_past_failures_and_report_each(inner):
-    run = inner(SUBTESTS, "-v")
-    run.result.assert_outcomes(failed=2, passed=1)
+    run = inner(SUBTESTS, "-v", "-rs")
+    run.result.assert_outcomes(failed=2, passed=1, skipped=1)
 
     report = run.section("test_one_bad_combination")
     assert report.splitlines()[0] == (
@@ -225,7 +230,9 @@ def test_subtests_continue_past_failures_and_report_each(inner):
     assert "in body" in report.split("rank 0 was stopped")[1]
 
     assert "test_skipped_combination: 2 ran, 0 failed, 1 skipped, 0 deselected" in run.text
-    assert "3 tests with subtests: 12 subtests ran, 2 failed, 1 skipped" in run.text
+    # a test that checked nothing is not counted as passed
+    assert "every subtest skipped; subtest 0: n=0 does not apply here" in run.text
+    assert "4 tests with subtests: 14 subtests ran, 2 failed, 3 skipped" in run.text
 
 
 def test_subtest_option_selects_one_combination(inner):
