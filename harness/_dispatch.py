@@ -118,7 +118,7 @@ def run(manager: PoolManager, request: TestRequest) -> Verdict:
             manager.release(pool, request)
         attempts.append(attempt)
         budget -= time.monotonic() - started
-        if attempt.restart_after is None or time.monotonic() >= deadline or budget <= 0:
+        if attempt.restart_after is None or time.monotonic() >= deadline:
             return compose(attempts, request.info(), None)
         message = replace(message, resume_after=attempt.restart_after)
 

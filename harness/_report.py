@@ -88,8 +88,8 @@ def _status(final: Attempt, counts: SubtestCounts | None) -> Status:
     if any(s is Status.SKIPPED for s in statuses):
         return Status.SKIPPED
     if counts is not None and counts.ran and counts.skipped == counts.ran:
-        # [Note: A test whose every subtest skipped] checked nothing: reported
-        # as passed, it would hide the missing coverage in the counts.
+        # Every subtest skipped: the test checked nothing, and reported as
+        # passed it would hide the missing coverage in the counts.
         return Status.SKIPPED
     return Status.PASSED
 
