@@ -230,7 +230,7 @@ def _stopped_section(result: RankResult, final: Attempt) -> str:
             f"({result.body_returned.value}), but its queued device work was still "
             f"unfinished {when} ===\n"
             "(a collective that another rank never joined? On CUDA, NCCL collectives "
-            "such as barrier() return to Python before they complete.)"
+            "such as all_reduce() return to Python before they complete.)"
         )
     if final.timed_out:
         why = f"still running{where} at the deadline"
