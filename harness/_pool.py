@@ -190,6 +190,7 @@ class Attempt:
     timed_out: bool = False
     restart_after: int | None = None
     pool_broken: bool = False
+    leaks: dict[int, str] = field(default_factory=dict)  # rank -> what it could not release
 
 
 class RankPool:
@@ -426,9 +427,12 @@ class _AttemptDriver:
             result.finished = message
             result.current_subtest = None
             self._pending.discard(rank)
-            if not message.healthy or message.status.is_failed():
-                # A failed test may have left collectives or state half done:
-                # the next test gets a fresh pool.
+            if message.leak:
+                self.attempt.leaks[rank] = message.leak
+            if not message.healthy or message.leak or message.status.is_failed():
+                # A failed test may have left collectives or state half done,
+                # a leaking one slows every later test: the next test gets a
+                # fresh pool.
                 self.attempt.pool_broken = True
             if message.status.is_failed():
                 self._start_grace()

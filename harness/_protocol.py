@@ -15,7 +15,7 @@ formatted traceback) so an exception that cannot be pickled still arrives.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Status(enum.Enum):
@@ -126,7 +126,7 @@ class TestFinished:
     subtests_failed: bool
     deselected: int
     healthy: bool
-    notes: tuple[str, ...] = field(default=())
+    leak: str = ""  # what the test left that the rank could not release
 
 
 @dataclass(frozen=True)

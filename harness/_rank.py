@@ -6,7 +6,7 @@ import os
 import traceback
 import unittest
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import pytest
@@ -60,7 +60,6 @@ class RankContext:
     next_index: int = 0
     deselected: int = 0
     any_subtest_failed: bool = False
-    notes: list[str] = field(default_factory=list)
 
     def run_subtests(
         self,

@@ -12,12 +12,18 @@ from harness._protocol import Status, SubtestCounts
 _DEATH_OUTPUT_LINES = 40
 
 
+class PoolLeakWarning(UserWarning):
+    """A test left process groups, threads, descriptors or device memory in its
+    pooled ranks that the harness could not release; the pool was replaced."""
+
+
 @dataclass
 class Verdict:
     status: Status
     text: str
     counts: SubtestCounts | None
     outputs: dict[int, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,12 @@ class RunInfo:
 def compose(attempts: Sequence[Attempt], info: RunInfo, start_error: str | None) -> Verdict:
     if start_error is not None:
         return Verdict(Status.FAILED, start_error, None)
+    verdict = _judge(attempts, info)
+    verdict.warnings = _leak_warnings(attempts)
+    return verdict
+
+
+def _judge(attempts: Sequence[Attempt], info: RunInfo) -> Verdict:
     final = attempts[-1]
     subtests = _merge_subtests(attempts)
     counts = _count(subtests, attempts) if subtests or _any_deselected(attempts) else None
@@ -50,6 +62,19 @@ def compose(attempts: Sequence[Attempt], info: RunInfo, start_error: str | None)
     if status is Status.SKIPPED:
         return Verdict(status, _skip_reason(final, subtests), counts, outputs)
     return Verdict(status, "", counts, outputs)
+
+
+def _leak_warnings(attempts: Sequence[Attempt]) -> list[str]:
+    """One line per leaking rank (identical texts of several ranks once)."""
+    by_text: dict[str, list[int]] = {}
+    for attempt in attempts:
+        for rank, leak in sorted(attempt.leaks.items()):
+            by_text.setdefault(leak, []).append(rank)
+    return [
+        f"{', '.join(f'rank {r}' for r in ranks)}: after the test, {text}; "
+        "the pool of ranks was replaced"
+        for text, ranks in by_text.items()
+    ]
 
 
 def _merge_subtests(attempts: Sequence[Attempt]) -> dict[int, SubtestRecord]:

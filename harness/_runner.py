@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from harness import _rank
 from harness._importer import import_test_module, resolve_qualname
-from harness._isolation import GroupTracker, StateBaseline, default_group_alive
+from harness._isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
 from harness._protocol import (
     BodyReturned,
     Ready,
@@ -30,6 +30,7 @@ ENV_DEVICE_TYPE = "HARNESS_DEVICE_TYPE"
 def serve(spec: WorkerSpec, conn: Connection) -> int:
     device = _init_process_group(spec)
     baseline = StateBaseline.capture()
+    leaks = LeakCheck(device)
     conn.send(Ready(spec.rank, os.getpid()))
     while True:
         try:
@@ -40,7 +41,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
             _shutdown_process_group()
             return 0
         assert isinstance(message, RunTest), message
-        outcome = run_test(message, spec, device, conn, baseline)
+        outcome = run_test(message, spec, device, conn, baseline, leaks)
         conn.send(outcome)
 
 
@@ -92,8 +93,9 @@ def run_test(
     device: torch.device,
     conn: Connection,
     baseline: StateBaseline,
+    leaks: LeakCheck,
 ) -> TestFinished:
-    baseline.restore(message.seed)
+    baseline.reseed(message.seed)  # the state was restored after the last test
     context = _rank.RankContext(
         rank=spec.rank,
         world_size=spec.world_size,
@@ -110,20 +112,23 @@ def run_test(
         status, text, exc_type = _call_test(message, baseline)
     finally:
         _rank.activate(None)
+    subtests_failed, deselected = context.any_subtest_failed, context.deselected
     # On CUDA the body may return with a collective still queued (an NCCL
     # all_reduce does not block the host): the parent learns that the wait
     # below is for device work, not for the test's Python code.
     conn.send(BodyReturned(spec.rank, status))
-    healthy = _settle(device, groups)
+    del context  # a test's objects must be unreachable before the leak check
+    healthy = _settle(device, groups, baseline)
+    leak = leaks.check(groups.destroyed) if healthy else ""
     return TestFinished(
         rank=spec.rank,
         status=status,
         text=text,
         exc_type=exc_type,
-        subtests_failed=context.any_subtest_failed,
-        deselected=context.deselected,
+        subtests_failed=subtests_failed,
+        deselected=deselected,
         healthy=healthy,
-        notes=tuple(context.notes),
+        leak=leak,
     )
 
 
@@ -160,12 +165,13 @@ def _run_with_setup(instance: object, method_name: str, kwargs: dict[str, object
             teardown()
 
 
-def _settle(device: torch.device, groups: GroupTracker) -> bool:
-    """Brings the rank back to a clean state; returns whether it is still usable."""
+def _settle(device: torch.device, groups: GroupTracker, baseline: StateBaseline) -> bool:
+    """Brings the rank back to the baseline; returns whether it is still usable."""
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         groups.destroy_new_groups()
+        baseline.restore()
     except Exception:
         return False
     return default_group_alive()

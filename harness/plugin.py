@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from harness._dispatch import PoolManager, TestRequest, run
 from harness._limits import TORCH_CPU_OFFLOAD_SKIP
 from harness._pool import Placement, PoolKey
 from harness._protocol import RunTest, Status, SubtestCounts
+from harness._report import PoolLeakWarning
 from harness.devices import DevicePlan
 from harness.subtests import parse_filter
 from harness.testcase import DistributedTest, declared_world_size
@@ -213,6 +215,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     verdict = run(pyfuncitem.config.stash[manager_key], request)
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
+    for text in verdict.warnings:
+        warnings.warn(PoolLeakWarning(text), stacklevel=1)
     if verdict.counts is not None:
         pyfuncitem.user_properties.append(("subtests", verdict.counts.as_dict()))
     if verdict.status is Status.FAILED:

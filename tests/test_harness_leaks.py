@@ -1,0 +1,114 @@
+"""Pooled ranks release what each test created: process groups, their threads and
+sockets, FSDP models over them; what cannot be released replaces the pool, with
+a warning naming the test."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+TESTS = 24
+
+CHURN = textwrap.dedent(
+    """
+    import os
+    import pytest, torch
+    import torch.distributed as dist
+    from torch import nn
+    from harness import DistributedTest
+    from harness.fsdp_api import FSDP, ShardingStrategy
+
+    TESTS = @TESTS@
+
+    def record(i, device):
+        # Threads and descriptors at the start of the test: what earlier tests left.
+        threads = len(os.listdir("/proc/self/task"))
+        fds = len(os.listdir("/proc/self/fd"))
+        memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        with open(os.environ["PIDS_FILE"], "a") as f:
+            f.write(f"{i} {os.getpid()} {threads} {fds} {memory}\\n")
+
+    def train(model, device):
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(4, 8, device=device)).sum().backward()
+            optim.step()
+        return optim
+
+    class TestChurn(DistributedTest):
+        kept = None
+
+        @pytest.mark.parametrize("i", range(TESTS))
+        def test_groups_and_models(self, i):
+            record(i, self.device)
+            groups = [dist.new_group([0, 1]) for _ in range(3)]
+            models = []
+            for group in groups:
+                net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(self.device)
+                model = FSDP(net, process_group=group, use_orig_params=i % 2 == 0)
+                train(model, self.device)
+                models.append(model)
+            # Hybrid sharding builds its own shard and replicate groups.
+            net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(self.device)
+            hybrid = FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+            type(self).kept = (models, train(hybrid, self.device))  # restored after the test
+            try:
+                raise RuntimeError("a traceback that references the models")
+            except RuntimeError as exc:
+                self.last_error = exc
+    """
+).replace("@TESTS@", str(TESTS))
+
+
+def _samples(run) -> list[tuple[int, int, int, int, int]]:
+    rows = [line.split() for line in (run.path / "pids.txt").read_text().splitlines()]
+    return [tuple(int(x) for x in row) for row in rows]  # type: ignore[misc]
+
+
+def test_threads_and_descriptors_stay_bounded_over_many_tests(inner):
+    """Each test creates three subgroups, an FSDP model over each, and a hybrid-sharded
+    model; one pool runs them all and returns to its baseline after every test."""
+    run = inner(CHURN, "-W", "error::harness._report.PoolLeakWarning")
+    run.result.assert_outcomes(passed=TESTS)
+    samples = _samples(run)
+    for rank_pid in {pid for _, pid, *_ in samples}:
+        mine = [s for s in samples if s[1] == rank_pid]
+        assert len(mine) == TESTS, "every test ran on the same pool"
+        _, _, threads, fds, memory = mine[1]  # after one test: lazily started threads exist
+        assert max(s[2] for s in mine) <= threads + 2, mine
+        assert max(s[3] for s in mine) <= fds + 4, mine
+        assert max(s[4] for s in mine) <= memory, mine
+    assert "PoolLeakWarning" not in run.text
+
+
+KEEPER = textwrap.dedent(
+    """
+    import json, os
+    import torch.distributed as dist
+    from harness import DistributedTest
+
+    def record(name):
+        with open(os.environ["PIDS_FILE"], "a") as f:
+            f.write(f"{name} {os.getpid()}\\n")
+
+    class TestKeeper(DistributedTest):
+        def test_keeps_a_group(self):
+            record("keeper")
+            json.kept_group = dist.new_group([0, 1])  # a module the harness does not restore
+
+        def test_after(self):
+            record("after")
+    """
+)
+
+
+def test_a_group_kept_alive_replaces_the_pool_with_a_warning(inner):
+    run = inner(KEEPER)
+    run.result.assert_outcomes(passed=2)
+    pids = run.pids()
+    assert set(pids["keeper"]).isdisjoint(pids["after"]), "the leaking pool was replaced"
+    warning = re.search(r"test_keeps_a_group\n\s+.*PoolLeakWarning: (.*)", run.text)
+    assert warning, run.text
+    assert "rank 0, rank 1: after the test, 1 process group(s) it created" in warning.group(1)
+    assert "the first held by module.kept_group" in warning.group(1)
+    assert "the pool of ranks was replaced" in warning.group(1)
