@@ -37,6 +37,17 @@ assignment, a new Parameter, a new ``.grad``) are written back into the flat
 parameter. Strategies that do not reshard after forward keep forward's views
 until backward; changing a parameter in between is an error.
 
+[Note: Gradients across synced and no_sync backwards]
+Between iterations a flat parameter's gradient is one of two things. After a
+synced backward it is the reduced shard (on the CPU when offloading), which the
+optimizer steps on. After a ``no_sync()`` backward it is the unsharded, unreduced
+local sum, which the next backward keeps accumulating into; a reduced shard
+from before the window is then set aside (``_saved_grad_shard``) and added to
+the result of the next synced reduction. So any order of synced and ``no_sync``
+microbatches sums like DDP. Clearing the gradient inside a window (``.grad =
+None``, ``zero_grad(set_to_none=True)``) clears the shard set aside too. A unit
+that no gradient reached in a backward gets back what was set aside.
+
 [Note: The post-backward hook's node]
 Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
 with CPU offload or parameter mixed precision) makes autograd start a new
@@ -63,6 +74,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp._common import HandleTrainingState
+from fsdp._placeholder import ShardedParamPlaceholder
 
 _ALIGNMENT_BYTES = 16
 
@@ -265,6 +277,7 @@ class FlatParamHandle:
     _layout: _Layout
     _params: list[nn.Parameter]  # the original parameters (use_orig_params)
     _tensors: list[Tensor | None]  # forward's unsharded views, reused in backward
+    _placeholders: list[ShardedParamPlaceholder]  # use_orig_params=False, between uses
     _grad_none: list[bool]  # the user set this original gradient to None
     _shard_state: ShardState
     _training_state: HandleTrainingState
@@ -319,6 +332,9 @@ class FlatParamHandle:
         self._layout = _layout(params, fully_sharded_module, align)
         self._params = list(self._layout.params)
         self._tensors = [None] * len(self._params)
+        self._placeholders = [
+            ShardedParamPlaceholder.like(p, fqn) for p, fqn in zip(self._params, self._layout.fqns)
+        ]
         self._grad_none = [False] * len(self._params)
         self._shard_state = ShardState.UNSHARDED
         self._training_state = HandleTrainingState.IDLE
@@ -405,14 +421,10 @@ class FlatParamHandle:
     def shard(self) -> None:
         """Replaces the flat parameter's data by this rank's padded shard.
 
-        With ``use_orig_params=False`` the original names become ``Tensor``
-        views of the unsharded flat parameter first; its storage is then freed,
-        so they keep their metadata (``repr(module)``, ``module.bias is None``
-        work) but no memory until forward points them at real data."""
+        With ``use_orig_params=False`` the original names then hold placeholders
+        until forward points them at real data (see [Note: Placeholders for
+        sharded parameters])."""
         flat_param = self.flat_param
-        if not self._use_orig_params:
-            self._use_unsharded_views(as_params=False)
-        unsharded = flat_param.data
         if self.uses_sharded_strategy:
             start = self.rank * self.shard_numel
             end = start + self.shard_numel - 1
@@ -431,8 +443,8 @@ class FlatParamHandle:
         self._shard_state = ShardState.SHARDED
         if self._use_orig_params:
             self._use_sharded_views()
-        elif self.uses_sharded_strategy:
-            free_storage(unsharded)
+        else:
+            self._show_resharded_params()
 
     def move_shard_to(self, device: torch.device) -> None:
         """Moves the local shard (parameter offloading keeps it on the CPU)."""
@@ -444,9 +456,17 @@ class FlatParamHandle:
 
     def rebind_local_shard(self) -> None:
         """After ``module.to(...)`` moved or cast the flat parameter."""
-        if not self.is_unsharded():
-            self.flat_param._local_shard = self.flat_param.data
-            self._orig_param_dtype = self.flat_param.dtype
+        if self.is_unsharded():
+            return
+        flat_param = self.flat_param
+        flat_param._local_shard = flat_param.data
+        self._orig_param_dtype = flat_param.dtype
+        if not self._use_orig_params:
+            self._placeholders = [
+                ShardedParamPlaceholder(shape, flat_param.dtype, flat_param.device, fqn)
+                for shape, fqn in zip(self._layout.shapes, self._layout.fqns)
+            ]
+            self._show_resharded_params()
 
     def deregister_orig_params(self) -> None:
         """Removes the original parameters from their modules (``_apply``)."""
@@ -608,6 +628,8 @@ class FlatParamHandle:
         elif self._low_precision_now() and not self.uses_sharded_strategy:
             free_storage(flat_param._mp_shard)  # derived data, rebuilt without communication
         if not self._use_orig_params:
+            if free_unsharded or not self.uses_sharded_strategy:
+                self._show_resharded_params()
             return
         if use_sharded_views:
             self._use_sharded_views()
@@ -696,6 +718,17 @@ class FlatParamHandle:
                 _set_param(info.module, info.param_name, prim)
             else:
                 _set_tensor(info.module, info.param_name, prim)
+
+    def _show_resharded_params(self) -> None:
+        """``use_orig_params=False`` between uses: ``NO_SHARD`` shows views of its
+        full-precision flat parameter (it is never freed); sharded strategies show
+        placeholders (see [Note: Placeholders for sharded parameters])."""
+        if not self.uses_sharded_strategy:
+            self._use_unsharded_views(as_params=False)
+            return
+        for info, placeholder in zip(self._layout.param_infos, self._placeholders):
+            _set_tensor(info.module, info.param_name, placeholder)
+        self._alias_shared_params()
 
     def _use_sharded_views(self) -> None:
         """``use_orig_params=True``: each original parameter becomes the view of
@@ -858,11 +891,12 @@ class FlatParamHandle:
 
     def _reset_grad_if_all_none(self) -> None:
         """``zero_grad(set_to_none=True)`` on the original parameters resets the
-        flat gradient too."""
+        flat gradient too (and a shard set aside inside a no_sync window)."""
         if self.flat_param.grad is None or self.is_unsharded():
             return
         if all(p.grad is None for p in self._params if p.requires_grad):
             self.flat_param.grad = None
+            self._saved_grad_shard = None
 
     def writeback_unsharded(self) -> None:
         """After summon_full_params(writeback=True) or loading a state dict:
@@ -885,10 +919,14 @@ class FlatParamHandle:
     def prepare_gradient_for_backward(self) -> None:
         """A gradient that autograd cannot accumulate into (sharded, on the CPU,
         another dtype) is set aside; it is added after the reduction. An
-        unsharded gradient (``no_sync``) stays, so autograd adds to it."""
+        unsharded gradient (``no_sync``) stays, so autograd adds to it. See
+        [Note: Gradients across synced and no_sync backwards]."""
         flat_param = self.flat_param
         grad = flat_param.grad
         if grad is None:
+            # The user cleared the gradients inside a no_sync window: the shard
+            # set aside before it is cleared too.
+            self._saved_grad_shard = None
             return
         data = flat_param.data
         if grad.shape == data.shape and grad.dtype == data.dtype and grad.device == data.device:
@@ -914,13 +952,16 @@ class FlatParamHandle:
     def prepare_gradient_for_optim(self, synced: bool) -> None:
         """Exposes the sharded gradient as ``flat_param.grad`` (the CPU copy when
         offloading) and, with ``use_orig_params``, as the original parameters'
-        gradients. Without gradient sync (``no_sync``) the unsharded,
-        unreduced gradient is exposed."""
+        gradients. Without gradient sync (``no_sync``) the unsharded, unreduced
+        gradient stays exposed and a shard set aside before stays aside."""
         flat_param = self.flat_param
         grad, self._reduced_grad = self._reduced_grad, None
         if grad is not None:
             self._grad_none = [False] * len(self._params)
-        if grad is None:
+            self._saved_grad_shard = None
+        elif synced or flat_param.grad is None:
+            # No gradient reached this unit in this backward: what was set
+            # aside is the gradient again.
             grad, self._saved_grad_shard = self._saved_grad_shard, None
         if grad is not None:
             if self._offload_params and grad.device.type != "cpu":
@@ -929,7 +970,7 @@ class FlatParamHandle:
             _assign_grad(flat_param, grad)
         if not self._use_orig_params:
             return
-        if synced or not self.uses_sharded_strategy:
+        if self._sharded_flat_grad() is not None or flat_param.grad is None:
             self._use_sharded_grad_views()
         else:
             self._use_unsharded_grad_views()
@@ -956,8 +997,19 @@ class FlatParamHandle:
 
     def register_post_backward_hook(self, hook: Callable[[], None]) -> bool:
         """Hooks the ``AccumulateGrad`` node that views made from the flat
-        parameter now feed, once per iteration; returns whether this call
-        registered it. See [Note: The post-backward hook's node]."""
+                parameter now feed, once per iteration; returns whether this call
+                registered it. See [Note: Gradients across synced and no_sync backwards]
+        Between iterations a flat parameter's gradient is one of two things. After a
+        synced backward it is the reduced shard (on the CPU when offloading), which the
+        optimizer steps on. After a ``no_sync()`` backward it is the unsharded, unreduced
+        local sum, which the next backward keeps accumulating into; a reduced shard
+        from before the window is then set aside (``_saved_grad_shard``) and added to
+        the result of the next synced reduction. So any order of synced and ``no_sync``
+        microbatches sums like DDP. Clearing the gradient inside a window (``.grad =
+        None``, ``zero_grad(set_to_none=True)``) clears the shard set aside too. A unit
+        that no gradient reached in a backward gets back what was set aside.
+
+        [Note: The post-backward hook's node]."""
         if self._post_backward_hook is not None or not self.flat_param.requires_grad:
             return False
         grad_fn = self.flat_param.expand_as(self.flat_param).grad_fn

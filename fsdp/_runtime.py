@@ -227,6 +227,13 @@ class FSDPState:
             state.root_context = context
             state._init_unit()
 
+    def reset_lazy_init(self) -> None:
+        """Forgets the tree found by ``lazy_init`` (for a unit that initialised
+        as a root before its real root ran, e.g. through ``apply``)."""
+        for state in self.subtree_states():
+            state.is_root = None
+            state.root_context = None
+
     def _init_unit(self) -> None:
         handle = self.handle
         if handle is not None:
@@ -554,9 +561,13 @@ class FSDPState:
 
     # -- helpers for other layers ------------------------------------------------------------
 
-    def assert_state(self, expected: TrainingState) -> None:
-        if self.training_state is not expected:
-            raise AssertionError(f"expected training state {expected}, got {self.training_state}")
+    def assert_state(self, expected: TrainingState | list[TrainingState]) -> None:
+        """Raises ``ValueError`` (torch's type and wording) outside ``expected``."""
+        states = expected if isinstance(expected, list) else [expected]
+        if self.training_state not in states:
+            raise ValueError(
+                f"expected to be in states {states} but current state is {self.training_state}"
+            )
 
     @property
     def uses_hybrid(self) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from fsdp import _comm
+from fsdp._clip_grad import clip_grad_norm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._init import Ignored, UnitArgs, build_unit
@@ -162,7 +161,7 @@ class FullyShardedDataParallel(nn.Module):
     def training_state(self) -> TrainingState:
         return self._state.training_state
 
-    def _assert_state(self, state: TrainingState) -> None:
+    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         for unit in states_in(self, recurse=True):
             unit.assert_state(state)
 
@@ -174,6 +173,20 @@ class FullyShardedDataParallel(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    # -- module methods that touch parameters -------------------------------------------------
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with this unit's full parameters gathered (and
+        written back to the shards afterwards); nested units gather their own
+        as ``apply`` reaches them. Not allowed inside ``summon_full_params``."""
+        uninitialized = self._state.is_root is None
+        self._assert_state(TrainingState.IDLE)
+        with _summon(self, recurse=False, writeback=True):
+            super().apply(fn)
+        if uninitialized and self._state.is_root:
+            self._state.reset_lazy_init()  # this unit may not be the real root
+        return self
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -285,68 +298,15 @@ class FullyShardedDataParallel(nn.Module):
             for state, sync in zip(states, previous):
                 state.sync_gradients = sync
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clips the gradients of every parameter in this root's tree by their
-        total norm over all ranks; returns that norm (same on every rank)."""
+        total norm over all ranks; returns that norm (the same on every rank).
+        See [Note: The total norm of sharded and replicated gradients]."""
         ensure_initialized(self)
         if not self._state.is_root:
             raise RuntimeError(
                 "`clip_grad_norm_()` should only be called on the root FSDP instance"
             )
-        sharded, replicated = _grads_by_placement(self)
-        total = _total_norm(sharded, replicated, float(norm_type), self._state)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [*sharded, *replicated]
-        for grad in grads:
-            grad.mul_(coef.to(grad.device, grad.dtype))
-        return total.to(_promoted_dtype(grads)) if grads else total
-
-
-def _grads_by_placement(root: FullyShardedDataParallel) -> tuple[list[Tensor], list[Tensor]]:
-    """Gradients sharded across ranks, and gradients every rank holds in full."""
-    sharded: list[Tensor] = []
-    replicated: list[Tensor] = []
-    managed: set[int] = set()
-    for state in states_in(root, recurse=True):
-        handle = state.handle
-        if handle is None:
-            continue
-        managed.add(id(handle.flat_param))
-        managed.update(id(p) for p in handle.orig_params())
-        grad = handle.flat_param.grad
-        if grad is not None:
-            (sharded if handle.uses_sharded_strategy else replicated).append(grad)
-    for param in root.parameters():
-        if id(param) not in managed and param.grad is not None:
-            replicated.append(param.grad)
-    return sharded, replicated
-
-
-def _local_norm(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    if not grads:
-        return torch.tensor(0.0, device=device)
-    norms = torch.stack([g.detach().float().norm(norm_type).to(device) for g in grads])
-    return norms.max() if math.isinf(norm_type) else norms.norm(norm_type)
-
-
-def _total_norm(
-    sharded: list[Tensor], replicated: list[Tensor], norm_type: float, state: FSDPState
-) -> Tensor:
-    device = state.compute_device
-    local_sharded = _local_norm(sharded, norm_type, device)
-    local_replicated = _local_norm(replicated, norm_type, device)
-    if math.isinf(norm_type):
-        total = torch.maximum(local_sharded, local_replicated)
-        _comm.all_reduce(total, state.process_group, op=torch.distributed.ReduceOp.MAX)
-        return total
-    total = local_sharded**norm_type
-    _comm.all_reduce(total, state.process_group)
-    return (total + local_replicated**norm_type) ** (1.0 / norm_type)
-
-
-def _promoted_dtype(tensors: list[Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
+        self._assert_state(TrainingState.IDLE)
+        states = states_in(self, recurse=True)
+        return clip_grad_norm(self, self._state, states, float(max_norm), float(norm_type))

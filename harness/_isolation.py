@@ -187,22 +187,29 @@ def _reset_dynamo() -> None:
 
 
 class GroupTracker:
-    """Destroys the process groups a test created and remembers them (weakly),
-    so that the leak check can tell whether they are really gone."""
+    """Destroys the process groups created since a point (the start of a test or
+    of a subtest) and remembers them weakly, so that the leak check can tell
+    whether they are really gone."""
 
     def __init__(self) -> None:
-        self._before: set[int] = set()
         self.destroyed: list[weakref.ReferenceType[dist.ProcessGroup]] = []
 
-    def start(self) -> None:
-        self._before = {id(pg) for pg in _live_groups()}
+    @staticmethod
+    def live() -> set[int]:
+        return {id(pg) for pg in _live_groups()}
 
-    def destroy_new_groups(self) -> None:
+    def destroy_since(self, before: set[int]) -> None:
         default = _default_group()
         for pg in _live_groups():
-            if id(pg) not in self._before and pg is not default:
+            if id(pg) not in before and pg is not default:
                 dist.destroy_process_group(pg)
                 self.destroyed.append(weakref.ref(pg))
+
+    def release_since(self, before: set[int]) -> None:
+        """After a subtest: its groups are destroyed and, once its objects are
+        collected, their threads and sockets are gone."""
+        self.destroy_since(before)
+        gc.collect()
 
 
 def _live_groups() -> list[dist.ProcessGroup]:

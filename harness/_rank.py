@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness import subtests
+from harness._isolation import GroupTracker
 from harness._protocol import Proceed, Status, SubtestFinished, SubtestStarted
 
 
@@ -55,6 +56,7 @@ class RankContext:
     device: torch.device
     backend: str
     conn: Connection
+    groups: GroupTracker
     subtest_filter: tuple[tuple[str, str], ...] = ()
     resume_after: int = -1
     next_index: int = 0
@@ -92,12 +94,14 @@ class RankContext:
         rendered = combo.render()
         self.conn.send(SubtestStarted(self.rank, index, rendered, self.deselected))
         status, text = Status.PASSED, ""
+        before = self.groups.live()
         try:
             fn(*args, **kwargs, **combo.kwargs)
         except SKIP_EXCEPTIONS as exc:
             status, text = Status.SKIPPED, skip_reason(exc)
         except Exception as exc:
             status, text = Status.FAILED, format_exception(exc)
+        self.groups.release_since(before)
         self.conn.send(SubtestFinished(self.rank, index, rendered, status, text))
         reply = self.conn.recv()
         assert isinstance(reply, Proceed) and reply.index == index, reply

@@ -96,6 +96,8 @@ def run_test(
     leaks: LeakCheck,
 ) -> TestFinished:
     baseline.reseed(message.seed)  # the state was restored after the last test
+    groups = GroupTracker()
+    before = groups.live()
     context = _rank.RankContext(
         rank=spec.rank,
         world_size=spec.world_size,
@@ -104,9 +106,8 @@ def run_test(
         conn=conn,
         subtest_filter=message.subtest_filter,
         resume_after=message.resume_after,
+        groups=groups,
     )
-    groups = GroupTracker()
-    groups.start()
     _rank.activate(context)
     try:
         status, text, exc_type = _call_test(message, baseline)
@@ -118,7 +119,7 @@ def run_test(
     # below is for device work, not for the test's Python code.
     conn.send(BodyReturned(spec.rank, status))
     del context  # a test's objects must be unreachable before the leak check
-    healthy = _settle(device, groups, baseline)
+    healthy = _settle(device, groups, before, baseline)
     leak = leaks.check(groups.destroyed) if healthy else ""
     return TestFinished(
         rank=spec.rank,
@@ -165,12 +166,14 @@ def _run_with_setup(instance: object, method_name: str, kwargs: dict[str, object
             teardown()
 
 
-def _settle(device: torch.device, groups: GroupTracker, baseline: StateBaseline) -> bool:
+def _settle(
+    device: torch.device, groups: GroupTracker, before: set[int], baseline: StateBaseline
+) -> bool:
     """Brings the rank back to the baseline; returns whether it is still usable."""
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        groups.destroy_new_groups()
+        groups.destroy_since(before)
         baseline.restore()
     except Exception:
         return False
