@@ -18,6 +18,8 @@ import enum
 import os
 from typing import NamedTuple
 
+from torch.distributed import ProcessGroup
+
 from fsdp.api import ShardingStrategy
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -33,6 +35,17 @@ NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
     ShardingStrategy._HYBRID_SHARD_ZERO2,
 )
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class ProcessGroups(NamedTuple):
+    """A unit's sharding group, and its replicate group under hybrid sharding."""
+
+    shard: ProcessGroup
+    replicate: ProcessGroup | None
+
+    def as_argument(self) -> ProcessGroup | tuple[ProcessGroup, ProcessGroup]:
+        """What children of an auto-wrap get as ``process_group``: the same groups."""
+        return self.shard if self.replicate is None else (self.shard, self.replicate)
 
 
 class EnvSwitches(NamedTuple):

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp._init import Ignored, UnitArgs, build_unit
+from fsdp._ignored import Ignored
+from fsdp._init import UnitArgs, build_unit, resolve_groups
 from fsdp._runtime import FSDPState
 from fsdp._state_dict import StateDictHooks
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -39,24 +40,24 @@ def fully_shard(
     forward_prefetch: bool = False,
 ) -> nn.Module:
     """Shards ``module``'s parameters in place; returns ``module``."""
+    ignored = Ignored.resolve(module, ignored_modules, None)
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    groups = resolve_groups(process_group, None, strategy, policy is not None)
     args = UnitArgs(
-        process_group,
-        strategy,
-        cpu_offload,
-        BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision,
-        ignored_modules,
-        param_init_fn,
-        device_id,
-        sync_module_states,
-        forward_prefetch,
-        True,
-        True,
+        sharding_strategy=strategy,
+        cpu_offload=cpu_offload,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=mixed_precision,
+        param_init_fn=param_init_fn,
+        device_id=device_id,
+        sync_module_states=sync_module_states,
+        forward_prefetch=forward_prefetch,
+        limit_all_gathers=True,
+        use_orig_params=True,
     )
-    ignored = Ignored.resolve(module, ignored_modules)
     if policy is not None:
         kwargs = {
-            "process_group": process_group,
+            "process_group": groups.as_argument(),
             "strategy": strategy,
             "mixed_precision": mixed_precision,
             "cpu_offload": cpu_offload,
@@ -66,8 +67,8 @@ def fully_shard(
             "sync_module_states": sync_module_states,
             "forward_prefetch": forward_prefetch,
         }
-        _auto_wrap(module, policy, set(ignored.modules), set(ignored.params), kwargs, fully_shard)
-    state = build_unit(module, module, args, ignored)
+        _auto_wrap(module, policy, ignored.modules, ignored.params, kwargs, fully_shard)
+    state = build_unit(module, module, args, ignored, groups)
     state.registers_flat_param = False
     _install_hooks(module, state)
     StateDictHooks(state).register(module)

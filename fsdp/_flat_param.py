@@ -6,10 +6,15 @@ The parameters a unit manages are laid out in module traversal order in one
 its other names are aliases. With ``use_orig_params=True`` every parameter
 starts at an offset aligned to 16 bytes of the forward/backward dtype (the
 parameter mixed-precision dtype when one is set), padding with zeros between
-parameters, so that original parameters can be exposed as aligned views. The
-whole flat parameter is then padded with zeros to a multiple of the world size
-and rank ``r`` keeps elements ``[r*S, (r+1)*S)`` with ``S = padded / world_size``.
-Padding stays zero: no gradient ever lands there.
+parameters, so that original parameters can be exposed as aligned views, and
+the flat parameter itself ends with zeros up to a multiple of the world size
+(as torch's: its unsharded numel then includes that padding, and
+``_numels_with_padding`` / ``_is_padding_mask`` list the parameter and padding
+segments). Without ``use_orig_params`` the flat parameter holds the parameters
+only. Either way the all-gather buffer is padded to a multiple of the world
+size and rank ``r`` keeps elements ``[r*S, (r+1)*S)`` with ``S = padded /
+world_size`` (``torch.chunk``'s split). Padding stays zero: no gradient ever
+lands there.
 
 [Note: Storage that comes and goes]
 Between uses a rank holds only its shard (``_local_shard``). Unsharding fills a
@@ -128,6 +133,13 @@ class _ShardParamInfo(NamedTuple):
     intra_param_end_idx: int | None
 
 
+class SummonedGrad(NamedTuple):
+    """The gathered gradient inside ``summon_full_params(with_grads=True)``:
+    None when no rank has a gradient."""
+
+    unsharded: Tensor | None
+
+
 class FlatParamShardMetadata(NamedTuple):
     param_names: tuple[str, ...]
     param_shapes: tuple[torch.Size, ...]
@@ -149,6 +161,8 @@ class FlatParameter(nn.Parameter):
     _mp_shard: Tensor  # only set when parameter mixed precision is used
     _cpu_grad: Tensor  # only set when parameters are offloaded
     _shard_param_infos: tuple[_ShardParamInfo, ...]
+    _numels_with_padding: tuple[int, ...]
+    _is_padding_mask: list[bool]
     _padded_unsharded_size: torch.Size
     _unpadded_unsharded_size: torch.Size
     _sharded_size: torch.Size
@@ -207,10 +221,46 @@ class _Layout(NamedTuple):
     shapes: tuple[torch.Size, ...]
     numels: tuple[int, ...]
     offsets: tuple[int, ...]  # start of each parameter in the flat parameter
-    total_numel: int  # with alignment padding, without world-size padding
+    total_numel: int  # with padding inside the flat parameter (see the layout note)
+    numels_with_padding: tuple[int, ...]  # parameters and padding segments, in order
+    is_padding_mask: tuple[bool, ...]
 
 
-def _layout(params: Sequence[nn.Parameter], module: nn.Module, align_to: int | None) -> _Layout:
+def _layout(
+    params: Sequence[nn.Parameter], module: nn.Module, align_to: int | None, world_size: int
+) -> _Layout:
+    """See [Note: Flat parameter layout]."""
+    infos, shared = _param_infos(params, module)
+    ordered = tuple(getattr(i.module, i.param_name) for i in infos)
+    offsets, segments, total = [], [], 0
+    for param in ordered:
+        if align_to is not None and total % align_to:
+            segments.append((align_to - total % align_to, True))
+            total += segments[-1][0]
+        offsets.append(total)
+        segments.append((param.numel(), False))
+        total += param.numel()
+    if align_to is not None and total % world_size:
+        segments.append((world_size - total % world_size, True))
+        total += segments[-1][0]
+    return _Layout(
+        param_infos=tuple(infos),
+        shared_param_infos=tuple(shared),
+        params=ordered,
+        fqns=tuple(f"{i.module_name}.{i.param_name}".lstrip(".") for i in infos),
+        shapes=tuple(p.shape for p in ordered),
+        numels=tuple(p.numel() for p in ordered),
+        offsets=tuple(offsets),
+        total_numel=total,
+        numels_with_padding=tuple(n for n, _ in segments),
+        is_padding_mask=tuple(pad for _, pad in segments),
+    )
+
+
+def _param_infos(
+    params: Sequence[nn.Parameter], module: nn.Module
+) -> tuple[list[ParamInfo], list[SharedParamInfo]]:
+    """Each parameter once, in module order; later names of a shared one as aliases."""
     wanted = set(params)
     infos: list[ParamInfo] = []
     shared: list[SharedParamInfo] = []
@@ -224,23 +274,7 @@ def _layout(params: Sequence[nn.Parameter], module: nn.Module, align_to: int | N
                 continue
             seen[param] = ParamInfo(name, submodule, module_name)
             infos.append(seen[param])
-    ordered = tuple(getattr(i.module, i.param_name) for i in infos)
-    offsets, total = [], 0
-    for param in ordered:
-        if align_to is not None and total % align_to:
-            total += align_to - total % align_to
-        offsets.append(total)
-        total += param.numel()
-    return _Layout(
-        param_infos=tuple(infos),
-        shared_param_infos=tuple(shared),
-        params=ordered,
-        fqns=tuple(f"{i.module_name}.{i.param_name}".lstrip(".") for i in infos),
-        shapes=tuple(p.shape for p in ordered),
-        numels=tuple(p.numel() for p in ordered),
-        offsets=tuple(offsets),
-        total_numel=total,
-    )
+    return infos, shared
 
 
 def _check_uniform(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
@@ -286,7 +320,7 @@ class FlatParamHandle:
     _forward_views_home: Tensor | None  # what forward's kept views point into
     _saved_grad_shard: Tensor | None  # a gradient from an earlier backward
     _reduced_grad: Tensor | None  # this backward's reduced (sharded) gradient
-    _summoned_grad: Tensor | None  # the unsharded gradient inside summon(with_grads)
+    _summoned_grad: SummonedGrad | None  # inside summon_full_params(with_grads=True)
     _needs_pre_backward_unshard: bool
     _ran_pre_backward_hook: bool
     _post_backward_called: bool
@@ -329,7 +363,7 @@ class FlatParamHandle:
         self._mp_reduce_dtype = mp_reduce_dtype
         self._orig_param_dtype = params[0].dtype
         align = _aligned_numel(mp_param_dtype or params[0].dtype) if use_orig_params else None
-        self._layout = _layout(params, fully_sharded_module, align)
+        self._layout = _layout(params, fully_sharded_module, align, self.world_size)
         self._params = list(self._layout.params)
         self._tensors = [None] * len(self._params)
         self._placeholders = [
@@ -364,6 +398,8 @@ class FlatParamHandle:
         flat_param._is_sharded = False
         flat_param._local_shard = flat_param.data
         flat_param._unpadded_unsharded_size = flat.size()
+        flat_param._numels_with_padding = layout.numels_with_padding
+        flat_param._is_padding_mask = list(layout.is_padding_mask)
         flat_param._shard_param_infos = self._get_shard_metadata(0, layout.total_numel - 1)
         return flat_param
 
@@ -654,7 +690,7 @@ class FlatParamHandle:
             freed += [mp_shard] if mp_shard is not None and not storage_freed(mp_shard) else []
         if self.is_unsharded():
             freed.append(self.flat_param.data)
-        return freed
+        return [t for t in freed if t.device == self.device]  # not a CPU copy
 
     def free_unsharded(self) -> None:
         for buffer in self.unsharded_buffers():
@@ -771,25 +807,50 @@ class FlatParamHandle:
             exposed = grad is not None and param.requires_grad and not self._grad_none[i]
             _assign_grad(param, self._grad_view(i, grad) if exposed else None)
 
-    def sharded_grad_or_zeros(self) -> Tensor:
-        grad = self._sharded_flat_grad()
-        if grad is None:
-            grad = torch.zeros_like(self.flat_param._local_shard)
-        return grad.to(self.device).contiguous()
+    def sharded_flat_grad(self) -> Tensor | None:
+        """The sharded gradient, or None (none yet, or an unsharded one under no_sync)."""
+        return self._sharded_flat_grad()
 
-    def use_unsharded_grad(self, unsharded: Tensor) -> None:
-        """Exposes ``unsharded`` (an unsharded flat gradient) on the original
-        parameters, which are unsharded views at this point."""
-        self._summoned_grad = unsharded
-        for param, view in zip(self._params, self._get_unflat_views(unsharded)):
-            _assign_grad(param, view if param.requires_grad else None)
+    def use_unsharded_grad(self, unsharded: Tensor | None) -> None:
+        """Exposes ``unsharded`` (an unsharded flat gradient, or None when no rank
+        has one) on the original parameters, which are unsharded views now."""
+        self._summoned_grad = SummonedGrad(unsharded)
+        views = self._get_unflat_views(unsharded) if unsharded is not None else None
+        for i, param in enumerate(self._params):
+            exposed = views is not None and param.requires_grad
+            _assign_grad(param, views[i] if exposed else None)  # type: ignore[index]
 
-    def drop_unsharded_grad(self) -> None:
-        """Back to the sharded gradient views after with_grads."""
-        if self._summoned_grad is None:
+    def drop_unsharded_grad(self, writeback: bool) -> None:
+        """Back to the sharded gradient views after with_grads; ``writeback``
+        copies this rank's part of the (possibly edited) gathered gradient into
+        the sharded gradient first."""
+        summoned, self._summoned_grad = self._summoned_grad, None
+        if summoned is None:
             return
-        self._summoned_grad = None
+        sharded = self._sharded_flat_grad()
+        if writeback and summoned.unsharded is not None and sharded is not None:
+            part = self._own_part(summoned.unsharded)
+            if not _same_storage(part, sharded):
+                with torch.no_grad():
+                    sharded[: part.numel()].copy_(part)
         self._use_sharded_grad_views()
+
+    def _own_part(self, unsharded: Tensor) -> Tensor:
+        """This rank's elements of an unsharded flat tensor (padding excluded)."""
+        if not self.uses_sharded_strategy:
+            return unsharded
+        start = self.rank * self.shard_numel
+        return unsharded[start : min(start + self.shard_numel, self.unpadded_numel)]
+
+    def low_precision_unsharded(self) -> Tensor | None:
+        """The low-precision unsharded copy when forward kept one, else None."""
+        if not self.uses_param_mixed_precision:
+            return None
+        flat_param = self.flat_param
+        buffer = (
+            flat_param._full_param_padded if self.uses_sharded_strategy else flat_param._mp_shard
+        )
+        return None if storage_freed(buffer) else buffer
 
     def _use_unsharded_grad_views(self) -> None:
         """Under ``no_sync`` the accumulated gradient is unsharded: the original
@@ -904,15 +965,9 @@ class FlatParamHandle:
         flat_param = self.flat_param
         if _same_storage(flat_param.data, flat_param._local_shard):
             return
-        if not self.uses_sharded_strategy:
-            with torch.no_grad():
-                flat_param._local_shard.copy_(flat_param.data)
-            return
-        start = self.rank * self.shard_numel
-        stop = min(start + self.shard_numel, self.unpadded_numel)
-        if stop > start:
-            with torch.no_grad():
-                flat_param._local_shard[: stop - start].copy_(flat_param.data[start:stop])
+        part = self._own_part(flat_param.data)
+        with torch.no_grad():
+            flat_param._local_shard[: part.numel()].copy_(part)
 
     # -- gradients --------------------------------------------------------------------
 

@@ -20,56 +20,67 @@ take a ``(shard_group, replicate_group)`` pair, or build one from the world:
 ranks of one host shard (a host holds ``torch.cuda.device_count()`` ranks under
 NCCL, the whole world under gloo), ranks with the same local rank replicate.
 With one rank in the sharding group, sharding strategies fall back to
-``NO_SHARD`` (with a warning), as there is nothing to shard.
+``NO_SHARD`` (with a warning), as there is nothing to shard; a hybrid strategy
+keeps its name and its replicate group, and its replicas still sum gradients
+(torch's FSDP switches it to ``NO_SHARD`` and drops the replicate group there,
+so its replicas drift apart). ``sync_module_states`` broadcasts from the first
+rank of the shard group, then from the first rank of the replicate group.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fsdp import _comm, _registry
-from fsdp._common import HYBRID_STRATEGIES, EnvSwitches
+from fsdp._common import HYBRID_STRATEGIES, EnvSwitches, ProcessGroups
 from fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
+from fsdp._ignored import Ignored
 from fsdp._runtime import FSDPState, UnitConfig
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 
-class ProcessGroups(NamedTuple):
-    shard: Any
-    replicate: Any | None
-
-
-class Ignored(NamedTuple):
-    modules: frozenset[nn.Module]
-    params: frozenset[nn.Parameter]
-
-    @classmethod
-    def resolve(cls, root: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> Ignored:
-        modules: set[nn.Module] = set()
-        for module in ignored_modules or ():
-            if _registry.has_fsdp(module):
-                raise ValueError("`ignored_modules` should not include FSDP modules")
-            modules.update(module.modules())
-        params = {p for m in modules for p in m.parameters()}
-        return cls(frozenset(modules), frozenset(params))
-
-
-def resolve_groups(process_group: Any, strategy: ShardingStrategy) -> ProcessGroups:
-    if strategy not in HYBRID_STRATEGIES:
-        return ProcessGroups(process_group if process_group is not None else _comm.world(), None)
-    if isinstance(process_group, tuple):
-        shard, replicate = process_group
-        return ProcessGroups(shard, replicate)
-    if process_group is not None:
+def resolve_groups(
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy, auto_wrapping: bool
+) -> ProcessGroups:
+    """The unit's groups (see [Note: Process groups]), with torch's errors."""
+    if process_group is not None and device_mesh is not None:
         raise ValueError(
-            f"{strategy} needs a (shard_group, replicate_group) pair or None, got {process_group}"
+            "Cannot pass both process_group and device_mesh at the same time. "
+            "Please just pass only one of them."
         )
-    return _hybrid_groups_from_world()
+    hybrid = strategy in HYBRID_STRATEGIES
+    if device_mesh is not None:
+        return _groups_of_mesh(device_mesh, hybrid)
+    if not hybrid:
+        return ProcessGroups(process_group if process_group is not None else _comm.world(), None)
+    if process_group is None:
+        if not auto_wrapping:
+            raise ValueError(
+                f"Manual wrapping with {strategy} requires explicit specification of "
+                "process group or device_mesh."
+            )
+        return _hybrid_groups_from_world()
+    if isinstance(process_group, tuple) and len(process_group) == 2:
+        return ProcessGroups(*process_group)
+    raise ValueError(
+        "Expected process_group to be passed in as either None or "
+        f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
+    )
+
+
+def _groups_of_mesh(mesh: Any, hybrid: bool) -> ProcessGroups:
+    """A 1-D mesh shards over its group; a 2-D mesh (hybrid) replicates over
+    dimension 0 and shards over dimension 1."""
+    if not hybrid:
+        return ProcessGroups(mesh.get_group(mesh_dim=0), None)
+    if mesh.ndim != 2:
+        raise ValueError(f"Expected device_mesh to have ndim=2 but got {mesh.ndim}")
+    return ProcessGroups(mesh.get_group(mesh_dim=1), mesh.get_group(mesh_dim=0))
 
 
 def _hybrid_groups_from_world() -> ProcessGroups:
@@ -225,27 +236,30 @@ def sync_states(
 
 
 class UnitArgs(NamedTuple):
-    """The constructor arguments of FullyShardedDataParallel that shape a unit."""
+    """The constructor arguments of FullyShardedDataParallel that shape a unit
+    (its process groups and what it ignores are resolved before)."""
 
-    process_group: Any
-    sharding_strategy: ShardingStrategy | None
+    sharding_strategy: ShardingStrategy
     cpu_offload: CPUOffload | None
     backward_prefetch: BackwardPrefetch | None
     mixed_precision: MixedPrecision | None
-    ignored_modules: Iterable[nn.Module] | None
     param_init_fn: Callable[[nn.Module], None] | None
-    device_id: int | torch.device | None
+    device_id: int | torch.device | str | None
     sync_module_states: bool
     forward_prefetch: bool
     limit_all_gathers: bool
     use_orig_params: bool
 
 
-def build_unit(owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ignored) -> FSDPState:
+def build_unit(
+    owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ignored, groups: ProcessGroups
+) -> FSDPState:
     """Creates the unit's state and its (sharded) flat parameter."""
-    requested = args.sharding_strategy or ShardingStrategy.FULL_SHARD
-    groups = resolve_groups(args.process_group, requested)
-    strategy = resolve_strategy(requested, groups.shard.size())
+    if args.param_init_fn is not None and not callable(args.param_init_fn):
+        raise ValueError(
+            f"Expected {args.param_init_fn} to be callable but got {type(args.param_init_fn)}"
+        )
+    strategy = resolve_strategy(args.sharding_strategy, groups.shard.size())
     modules = managed_modules(managed, ignored)
     device_id = resolve_device(args.device_id)
     materialize(modules, args.param_init_fn, device_id or torch.device("cpu"))
@@ -256,6 +270,8 @@ def build_unit(owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ig
     device = compute_device(params, device_id)
     if args.sync_module_states:
         sync_states(params, buffers, groups.shard, device)
+        if groups.replicate is not None:
+            sync_states(params, buffers, groups.replicate, device)
     config = UnitConfig(
         sharding_strategy=strategy,
         mixed_precision=args.mixed_precision or MixedPrecision(),
@@ -267,7 +283,7 @@ def build_unit(owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ig
         env=EnvSwitches.read(),
     )
     handle = _build_handle(params, managed, device, strategy, config, groups) if params else None
-    return FSDPState(owner, config, groups.shard, groups.replicate, device, handle, buffers)
+    return FSDPState(owner, config, groups, device, handle, buffers, ignored)
 
 
 def _build_handle(

@@ -54,17 +54,21 @@ from fsdp._common import (
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     EnvSwitches,
     HandleTrainingState,
+    ProcessGroups,
     TrainingState,
 )
-from fsdp._flat_param import FlatParamHandle
+from fsdp._flat_param import FlatParamHandle, free_storage
+from fsdp._ignored import Ignored
 from fsdp._streams import CommStreams
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
     MixedPrecision,
     ShardingStrategy,
     StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 
@@ -156,6 +160,7 @@ class FSDPState:
     config: UnitConfig
     process_group: Any
     replicate_group: Any | None
+    ignored: Ignored
     rank: int
     world_size: int
     compute_device: torch.device
@@ -166,26 +171,26 @@ class FSDPState:
     is_root: bool | None
     root_context: RootContext | None
     sync_gradients: bool
-    state_dict_type: StateDictType
-    state_dict_config: StateDictConfig
+    state_dict_settings: StateDictSettings
     registers_flat_param: bool
 
     def __init__(
         self,
         module: nn.Module,
         config: UnitConfig,
-        process_group: Any,
-        replicate_group: Any | None,
+        groups: ProcessGroups,
         compute_device: torch.device,
         handle: FlatParamHandle | None,
         buffers: list[tuple[nn.Module, str]],
+        ignored: Ignored,
     ) -> None:
         self.module = module
         self.config = config
-        self.process_group = process_group
-        self.replicate_group = replicate_group
-        self.rank = process_group.rank()
-        self.world_size = process_group.size()
+        self.process_group = groups.shard
+        self.replicate_group = groups.replicate
+        self.ignored = ignored
+        self.rank = self.process_group.rank()
+        self.world_size = self.process_group.size()
         self.compute_device = compute_device
         self.handle = handle
         self.buffers = buffers
@@ -194,10 +199,19 @@ class FSDPState:
         self.is_root = None
         self.root_context = None
         self.sync_gradients = True
-        self.state_dict_type = StateDictType.FULL_STATE_DICT
-        self.state_dict_config = FullStateDictConfig()
+        self.state_dict_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
         self.registers_flat_param = True
         _registry.register(module, self)
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self.state_dict_settings.state_dict_type
+
+    @property
+    def state_dict_config(self) -> StateDictConfig:
+        return self.state_dict_settings.state_dict_config
 
     # -- tree --------------------------------------------------------------------------
 
@@ -431,17 +445,27 @@ class FSDPState:
             handle.set_reduced_grad(reduced)
 
     def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
-        if not handle.uses_sharded_strategy:
-            _comm.all_reduce(grad, self.process_group)
-            return grad
+        """Sums the gradient over the shard group (reduce-scatter, or all-reduce
+        for ``NO_SHARD``), then over the replicate group of hybrid sharding. A
+        hybrid unit whose shard group is one rank holds the whole gradient and
+        only the replicas sum it."""
+        if handle.uses_sharded_strategy:
+            reduced = self._reduce_scatter(handle, grad)
+        else:
+            reduced = grad
+            if self.world_size > 1 or self.replicate_group is None:
+                _comm.all_reduce(reduced, self.process_group)
+        if self.replicate_group is not None:
+            _comm.all_reduce(reduced, self.replicate_group)
+        return reduced
+
+    def _reduce_scatter(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
         padded = grad
         if grad.numel() != handle.padded_numel:
             padded = torch.zeros(handle.padded_numel, dtype=grad.dtype, device=grad.device)
             padded[: grad.numel()].copy_(grad)
         reduced = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
         _comm.reduce_scatter(reduced, padded, self.process_group)
-        if self.replicate_group is not None:
-            _comm.all_reduce(reduced, self.replicate_group)
         return reduced
 
     def _data_parallel_size(self) -> int:
@@ -514,15 +538,33 @@ class FSDPState:
         context.streams.compute_waits(context.unshard_events.pop(id(handle), None))
 
     def unshard_grad(self, handle: FlatParamHandle) -> None:
-        """All-gathers the sharded gradient (zeros where there is none) and
-        exposes it on the original parameters (summon_full_params(with_grads))."""
-        sharded = handle.sharded_grad_or_zeros()
-        if handle.uses_sharded_strategy:
-            unsharded = torch.empty(handle.padded_numel, dtype=sharded.dtype, device=sharded.device)
-            _comm.all_gather(unsharded, sharded, self.process_group)
-        else:
-            unsharded = sharded
+        """Gathers the sharded gradient and exposes it on the original parameters
+        (summon_full_params(with_grads=True)): None everywhere when no rank has
+        one, zeros for a rank without one when others have one. ``NO_SHARD``
+        exposes its gradient itself."""
+        sharded = handle.sharded_flat_grad()
+        if not handle.uses_sharded_strategy:
+            handle.use_unsharded_grad(None if sharded is None else sharded.to(handle.device))
+            return
+        missing = torch.tensor([float(sharded is None)], device=self.compute_device)
+        _comm.all_reduce(missing, self.process_group)
+        if int(missing.item()) == self.world_size:
+            handle.use_unsharded_grad(None)
+            return
+        if sharded is None:
+            sharded = torch.zeros_like(handle.flat_param._local_shard, device=handle.device)
+        local = sharded.to(handle.device).contiguous()
+        unsharded = torch.empty(handle.padded_numel, dtype=local.dtype, device=local.device)
+        _comm.all_gather(unsharded, local, self.process_group)
         handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])
+
+    def drop_low_precision_unsharded(self, handle: FlatParamHandle) -> None:
+        """Frees a low-precision unsharded copy that forward kept (see [Note:
+        Summoning keeps what forward kept] in fsdp._unshard_params)."""
+        buffer = handle.low_precision_unsharded()
+        if buffer is not None:
+            self.root.streams.release([buffer])
+            free_storage(buffer)
 
     def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
         self.root.streams.release(handle.buffers_freed_by_reshard(free))

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
 from fsdp._runtime import FSDPState
-from fsdp._unshard_params import ensure_initialized, expose_full_params, restore_sharded
+from fsdp._unshard_params import SummonedUnit, ensure_initialized
 from fsdp.api import FullStateDictConfig, StateDictType
 
 
@@ -89,10 +89,13 @@ def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Te
 
 
 class _FullStateDict:
-    def pre_save(self, state: FSDPState) -> None:
-        expose_full_params(state)
+    """Save and load through the exposed full parameters (one unit at a time)."""
 
-    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    def pre_save(self, unit: SummonedUnit) -> None:
+        unit.enter()
+
+    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+        state = unit.state
         config = state.state_dict_config
         assert isinstance(config, FullStateDictConfig)
         keys = _UnitKeys(state, prefix)
@@ -104,18 +107,19 @@ class _FullStateDict:
                 state_dict[key] = _saved(
                     state_dict[key], keys.buffer_dtypes.get(key), config.offload_to_cpu
                 )
-        restore_sharded(state, writeback=False)
+        unit.exit(writeback=False)
 
-    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
-        expose_full_params(state)
+    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+        unit.enter()
         _prefix_entries(state_dict, prefix)
 
-    def post_load(self, state: FSDPState) -> None:
-        restore_sharded(state, writeback=True)
+    def post_load(self, unit: SummonedUnit) -> None:
+        unit.exit(writeback=True)
 
 
 class _ShardedStateDict(_FullStateDict):
-    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+        state = unit.state
         keys = _UnitKeys(state, prefix)
         state_dict.pop(prefix + FLAT_PARAM, None)
         offload = state.state_dict_config.offload_to_cpu
@@ -125,16 +129,16 @@ class _ShardedStateDict(_FullStateDict):
                 state_dict[key] = _row_shard(value, state, offload)
             elif isinstance(value, Tensor):
                 state_dict[key] = _saved(value, keys.buffer_dtypes.get(key), offload)
-        restore_sharded(state, writeback=False)
+        unit.exit(writeback=False)
 
-    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
         # Every rank gathers the same parameters in the same (flat) order.
-        keys = _UnitKeys(state, prefix)
+        keys = _UnitKeys(unit.state, prefix)
         for key in sorted(keys.params, key=keys.params.__getitem__):
             value = state_dict.get(key)
             if value is not None and hasattr(value, "full_tensor"):
                 state_dict[key] = value.full_tensor()
-        super().pre_load(state, state_dict, prefix)
+        super().pre_load(unit, state_dict, prefix)
 
 
 def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
@@ -156,10 +160,11 @@ def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
 
 
 class _LocalStateDict:
-    def pre_save(self, state: FSDPState) -> None:
+    def pre_save(self, unit: SummonedUnit) -> None:
         pass
 
-    def post_save(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+        state = unit.state
         keys = _UnitKeys(state, prefix)
         offload = state.state_dict_config.offload_to_cpu
         for key in _clean_entries(state_dict, prefix):
@@ -171,16 +176,16 @@ class _LocalStateDict:
             shard = state.handle.flat_param._local_shard
             state_dict[prefix + FLAT_PARAM] = _saved(shard, None, offload)
 
-    def pre_load(self, state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
-        handle = state.handle
+    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+        handle = unit.state.handle
         key = prefix + FLAT_PARAM
         if handle is not None and key in state_dict:
             with torch.no_grad():
                 handle.flat_param._local_shard.copy_(state_dict.pop(key))
         _prefix_entries(state_dict, prefix)
 
-    def post_load(self, state: FSDPState) -> None:
-        handle = state.handle
+    def post_load(self, unit: SummonedUnit) -> None:
+        handle = unit.state.handle
         if handle is not None and handle._use_orig_params:
             handle._use_sharded_views()
 
@@ -198,10 +203,12 @@ class StateDictHooks:
 
     state: FSDPState
     _load_prefix: str
+    _unit: SummonedUnit | None  # between a pre-hook and its post-hook
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
         self._load_prefix = ""
+        self._unit = None
 
     def register(self, module: nn.Module) -> None:
         # torch tags hook objects with attributes: hand it partials, not bound methods
@@ -215,12 +222,15 @@ class StateDictHooks:
 
     def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         ensure_initialized(module)
-        self._kind().pre_save(self.state)
+        self._unit = SummonedUnit(self.state)
+        self._kind().pre_save(self._unit)
 
     def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        self._kind().post_save(self.state, state_dict, prefix)
+        unit, self._unit = self._unit, None
+        assert unit is not None, "state_dict post-hook without its pre-hook"
+        self._kind().post_save(unit, state_dict, prefix)
 
     def pre_load(
         self,
@@ -235,7 +245,8 @@ class StateDictHooks:
     ) -> None:
         ensure_initialized(module)
         self._load_prefix = prefix
-        self._kind().pre_load(self.state, state_dict, prefix)
+        self._unit = SummonedUnit(self.state)
+        self._kind().pre_load(self._unit, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         prefix = self._load_prefix
@@ -248,7 +259,9 @@ class StateDictHooks:
             for k in incompatible_keys.missing_keys
             if k != prefix + FLAT_PARAM and k not in unit_keys
         ]
-        self._kind().post_load(self.state)
+        unit, self._unit = self._unit, None
+        assert unit is not None, "load_state_dict post-hook without its pre-hook"
+        self._kind().post_load(unit)
 
 
 def _with_wrapper_prefix(key: str, prefix: str) -> str:

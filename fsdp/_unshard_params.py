@@ -1,22 +1,37 @@
 """``summon_full_params``: the full, original parameters for a while.
 
 [Note: Summoning]
-Each unit in scope all-gathers its parameters in full precision (mixed
-precision never applies here) and exposes them as ``nn.Parameter`` s under their
-original names; the flat parameter is hidden from ``named_parameters()`` and
-names lose the wrapper prefix, so the module looks like the unwrapped one. On
-exit, with ``writeback`` each rank copies its part of the (possibly modified)
-parameters back into its shard, then every unit reshards completely: a copy
-kept since forward (no-reshard strategies) is dropped and rebuilt when needed,
-so it can never be stale. Units already summoned by an enclosing call are left
-to it. ``rank0_only`` unshards on rank 0 only; ``offload_to_cpu`` exposes CPU
-copies (no writeback then); ``with_grads`` also exposes unsharded gradients
-(``use_orig_params=True`` only; the sharded gradients are untouched).
+Each unit in scope gathers its parameters in full precision (mixed precision
+never applies here) and exposes them as ``nn.Parameter`` s under their original
+names; the flat parameter is hidden from ``named_parameters()`` and names lose
+the wrapper prefix, so the module looks like the unwrapped one. Units already
+summoned by an enclosing call are left to it.
+
+- ``writeback``: on exit each rank copies its part of the (possibly modified)
+  parameters back into its shard (and, with ``with_grads``, of the gradients
+  into its sharded gradient). ``NO_SHARD`` exposes the real storage, so edits
+  persist whatever ``writeback`` says.
+- ``rank0_only``: every rank takes part in the all-gather, then ranks other
+  than 0 reshard at once and keep seeing their sharded parameters.
+- ``offload_to_cpu``: the exposed parameters are CPU copies (written back from
+  there).
+- ``with_grads`` (``use_orig_params=True`` only): the sharded gradients are
+  gathered too and exposed as the original parameters' ``.grad``; if no rank has
+  a gradient, every ``.grad`` is None.
+
+[Note: Summoning keeps what forward kept]
+A unit whose unsharded parameter forward kept (the root, ``SHARD_GRAD_OP``)
+uses it without another all-gather and keeps it on exit, so the backward that
+follows needs no all-gather either. Under parameter mixed precision the kept
+copy is in low precision: it is freed on entry (it would go stale if the
+summoned full-precision parameters were edited), the full-precision copy is
+gathered, and freed on exit; the next forward or backward gathers again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 from torch import nn
@@ -60,11 +75,20 @@ def _validate(
                 f"with_grads={with_grads}, use_orig_params={state.config.use_orig_params}, "
                 f"offload_to_cpu={offload_to_cpu} is not supported yet"
             )
+        if offload_to_cpu and state.handle is not None and not state.handle.uses_sharded_strategy:
+            raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
     if writeback and rank0_only:
         raise NotImplementedError(
             "writeback=True and rank0_only=True is not supported, as model parameter shapes will "
             "be different across ranks, and writing to them can lead to inconsistencies across "
             "ranks when the context is exited."
+        )
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
+            "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
+            "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
+            stacklevel=4,
         )
 
 
@@ -84,60 +108,97 @@ def summon_full_params(
         if s.training_state is not TrainingState.SUMMON_FULL_PARAMS
     ]
     _validate(states, writeback, rank0_only, offload_to_cpu, with_grads)
-    entered: list[FSDPState] = []
+    entered: list[SummonedUnit] = []
     try:
         for state in states:
-            entered.append(state)
-            expose_full_params(state, rank0_only, offload_to_cpu, with_grads)
+            unit = SummonedUnit(state, rank0_only, offload_to_cpu, with_grads)
+            entered.append(unit)
+            unit.enter()
         yield
     finally:
-        for state in reversed(entered):
-            restore_sharded(state, writeback and not offload_to_cpu, rank0_only)
+        for unit in reversed(entered):
+            unit.exit(writeback)
 
 
-def expose_full_params(
-    state: FSDPState,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    with_grads: bool = False,
-) -> None:
-    """Unshards ``state``'s unit in full precision and exposes the original
-    parameters under their names (summon_full_params, state dicts)."""
-    state.training_state = TrainingState.SUMMON_FULL_PARAMS
-    handle = state.handle
-    if handle is None:
-        return
-    handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-    handle.set_force_full_precision(True)
-    # Outside forward nothing else orders the all-gather after the optimizer
-    # step or a writeback on the current stream (see fsdp._streams).
-    state.root.streams.unshard_waits_for_compute()
-    state.unshard(handle)
-    state.wait_for_unshard(handle)
-    if with_grads:
-        state.unshard_grad(handle)
-    if rank0_only and state.rank != 0:
-        return
-    if offload_to_cpu:
-        handle.flat_param.data = handle.flat_param.data.cpu()
-    state.hide_flat_param()
-    handle._use_unsharded_views(as_params=True)
+class SummonedUnit:
+    """One unit while its full parameters are exposed (summon_full_params, state
+    dicts, ``apply``); see [Note: Summoning]."""
 
+    state: FSDPState
+    rank0_only: bool
+    offload_to_cpu: bool
+    with_grads: bool
+    _free_on_exit: bool
 
-def restore_sharded(state: FSDPState, writeback: bool, rank0_only: bool = False) -> None:
-    """Undoes ``expose_full_params``: writes back (when asked), reshards."""
-    handle = state.handle
-    try:
+    def __init__(
+        self,
+        state: FSDPState,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> None:
+        self.state = state
+        self.rank0_only = rank0_only
+        self.offload_to_cpu = offload_to_cpu
+        self.with_grads = with_grads
+        self._free_on_exit = True
+
+    @property
+    def _hidden_here(self) -> bool:
+        """Ranks other than 0 under ``rank0_only`` keep their shards."""
+        return self.rank0_only and self.state.rank != 0
+
+    def enter(self) -> None:
+        state = self.state
+        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+        handle = state.handle
         if handle is None:
             return
+        handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        handle.set_force_full_precision(True)
+        state.drop_low_precision_unsharded(handle)  # [Note: Summoning keeps what forward kept]
+        self._free_on_exit = handle.ready_unsharded() is None
+        # Outside forward nothing else orders the all-gather after the optimizer
+        # step or a writeback on the current stream (see fsdp._streams).
+        state.root.streams.unshard_waits_for_compute()
+        state.unshard(handle)
+        state.wait_for_unshard(handle)
+        if self.with_grads:
+            state.unshard_grad(handle)
+        if self._hidden_here:
+            state.reshard(handle, free=self._free_on_exit)
+            handle.drop_unsharded_grad(writeback=False)
+            return
+        if self.offload_to_cpu:
+            device_data = handle.flat_param.data
+            handle.flat_param.data = device_data.cpu()
+            if self._free_on_exit:
+                state.root.streams.release([device_data])
+                handle.free_unsharded()
+        state.hide_flat_param()
+        handle._use_unsharded_views(as_params=True)
+
+    def exit(self, writeback: bool) -> None:
+        state = self.state
+        handle = state.handle
+        try:
+            if handle is None:
+                return
+            if not self._hidden_here:
+                self._leave_exposed(writeback)
+            handle.set_force_full_precision(False)
+            handle._training_state = HandleTrainingState.IDLE
+        finally:
+            state.training_state = TrainingState.IDLE
+
+    def _leave_exposed(self, writeback: bool) -> None:
+        state = self.state
+        handle = state.handle
+        assert handle is not None
         if writeback:
             handle.writeback_unsharded()
-        if not handle._use_orig_params and not (rank0_only and state.rank != 0):
+        if not handle._use_orig_params:
             handle._use_unsharded_views(as_params=False)
-        state.reshard(handle, free=True)
-        handle.drop_unsharded_grad()
+        state.reshard(handle, free=self._free_on_exit)
+        handle.drop_unsharded_grad(writeback=writeback)
         state.show_flat_param()
-        handle.set_force_full_precision(False)
-        handle._training_state = HandleTrainingState.IDLE
-    finally:
-        state.training_state = TrainingState.IDLE

@@ -81,22 +81,74 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
-class FullStateDictConfig:
-    """``offload_to_cpu`` returns CPU tensors; ``rank0_only`` returns the state
-    dict on rank 0 only (other ranks get an empty dict)."""
+class StateDictConfig:
+    """How ``state_dict()`` / ``load_state_dict()`` treat this unit's tensors:
+    ``offload_to_cpu`` returns CPU tensors."""
 
     offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only`` returns the state dict on rank 0 only (other ranks get
+    an empty dict)."""
+
     rank0_only: bool = False
 
 
 @dataclass(frozen=True)
-class ShardedStateDictConfig:
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig(StateDictConfig):
+    """``_use_dtensor`` is torch's private switch between ``DTensor`` and
+    ``ShardedTensor`` values; this implementation always saves ``DTensor`` s."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass(frozen=True)
+class OptimStateDictConfig:
+    """How optimizer state dicts treat tensors: ``offload_to_cpu`` (default True)."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass(frozen=True)
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
 
 
 @dataclass(frozen=True)
-class LocalStateDictConfig:
-    offload_to_cpu: bool = False
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = False
 
 
-StateDictConfig = FullStateDictConfig | ShardedStateDictConfig | LocalStateDictConfig
+@dataclass(frozen=True)
+class StateDictSettings:
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+class OptimStateKeyType(enum.Enum):
+    """How an optimizer state dict is keyed: by parameter name or by ID."""
+
+    PARAM_NAME = enum.auto()
+    PARAM_ID = enum.auto()
+
+
+STATE_DICT_CONFIGS: dict[
+    StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]
+] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -13,29 +14,24 @@ from torch.autograd.profiler import record_function
 from fsdp._clip_grad import clip_grad_norm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState
 from fsdp._flat_param import FlatParameter, FlatParamHandle
-from fsdp._init import Ignored, UnitArgs, build_unit
+from fsdp._ignored import Ignored
+from fsdp._init import UnitArgs, build_unit, resolve_groups
 from fsdp._runtime import FSDPState
 from fsdp._state_dict import StateDictHooks
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
 from fsdp.api import (
+    STATE_DICT_CONFIGS,
     BackwardPrefetch,
     CPUOffload,
-    FullStateDictConfig,
-    LocalStateDictConfig,
     MixedPrecision,
-    ShardedStateDictConfig,
+    OptimStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 from fsdp.wrap import _auto_wrap
-
-_DEFAULT_CONFIGS: dict[StateDictType, StateDictConfig] = {
-    StateDictType.FULL_STATE_DICT: FullStateDictConfig(),
-    StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig(),
-    StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig(),
-}
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -60,40 +56,49 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        device_id: int | torch.device | None = None,
+        device_id: int | torch.device | str | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(
+                "FSDP will not all-gather parameters for containers that do not implement "
+                f"forward: {module}",
+                stacklevel=2,
+            )
+        ignored = Ignored.resolve(module, ignored_modules, ignored_states)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        groups = resolve_groups(process_group, device_mesh, strategy, auto_wrap_policy is not None)
         args = UnitArgs(
-            process_group,
-            sharding_strategy,
-            cpu_offload,
-            backward_prefetch,
-            mixed_precision,
-            ignored_modules,
-            param_init_fn,
-            device_id,
-            sync_module_states,
-            forward_prefetch,
-            limit_all_gathers,
-            use_orig_params,
+            sharding_strategy=strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
         )
-        ignored = Ignored.resolve(module, ignored_modules)
         if auto_wrap_policy is not None:
-            root_kwargs = {**args._asdict(), "ignored_modules": ignored.modules}
+            child_kwargs = {
+                **args._asdict(),
+                "sharding_strategy": sharding_strategy,
+                "process_group": None if device_mesh is not None else groups.as_argument(),
+                "device_mesh": device_mesh,
+                "ignored_states": ignored.params,
+            }
             _auto_wrap(
-                module,
-                auto_wrap_policy,
-                set(ignored.modules),
-                set(ignored.params),
-                root_kwargs,
-                type(self),
+                module, auto_wrap_policy, ignored.modules, ignored.params, child_kwargs, FSDP
             )
         self._fsdp_wrapped_module = module
-        self._state = build_unit(self, module, args, ignored)
+        self._state = build_unit(self, module, args, ignored, groups)
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -128,6 +133,16 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def process_group(self) -> Any:
         return self._state.process_group
+
+    @property
+    def _inter_node_pg(self) -> Any:
+        """The replicate group of hybrid sharding (None otherwise)."""
+        return self._state.replicate_group
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is the root of its tree (initialises the tree lazily)."""
+        ensure_initialized(self)
+        return bool(self._state.is_root)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -257,24 +272,68 @@ class FullyShardedDataParallel(nn.Module):
         return _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
 
     @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Sets the state-dict type and configs of every unit under ``module``
+        (which need not be a unit itself); returns the previous settings."""
+        config_type, optim_config_type = STATE_DICT_CONFIGS[state_dict_type]
+        config = state_dict_config or config_type()
+        optim_config = optim_state_dict_config or optim_config_type()
+        if type(config) is not config_type:
+            raise RuntimeError(
+                f"Expected state_dict_config of type {config_type} but got {type(config)}"
+            )
+        if type(optim_config) is not optim_config_type:
+            raise RuntimeError(
+                f"Expected optim_state_dict_config of type {optim_config_type} "
+                f"but got {type(optim_config)}"
+            )
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        settings = StateDictSettings(state_dict_type, config, optim_config)
+        for state in states_in(module, recurse=True):
+            state.state_dict_settings = settings
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The settings of the units under ``module`` (all units share them)."""
+        states = states_in(module, recurse=True)
+        if not states:
+            raise ValueError("No FSDP modules found in the given module")
+        settings = states[0].state_dict_settings
+        for state in states[1:]:
+            if state.state_dict_settings != settings:
+                raise AssertionError(
+                    "All FSDP modules must have the same state dict settings."
+                    f"Got {state.state_dict_settings} and {settings}."
+                )
+        return settings
+
+    @staticmethod
     @contextlib.contextmanager
     def state_dict_type(
         module: nn.Module,
         state_dict_type: StateDictType,
         state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: object | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Iterator[None]:
-        """Sets the state-dict type (and config) of every unit in ``module`` for a while."""
-        config = state_dict_config or _DEFAULT_CONFIGS[state_dict_type]
-        states = states_in(module, recurse=True)
-        previous = [(s.state_dict_type, s.state_dict_config) for s in states]
-        for state in states:
-            state.state_dict_type, state.state_dict_config = state_dict_type, config
+        """``set_state_dict_type`` for the duration of the context."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
         try:
             yield
         finally:
-            for state, (kind, cfg) in zip(states, previous):
-                state.state_dict_type, state.state_dict_config = kind, cfg
+            FullyShardedDataParallel.set_state_dict_type(
+                module,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
 
     # -- training helpers ---------------------------------------------------------------------------
 
@@ -310,3 +369,6 @@ class FullyShardedDataParallel(nn.Module):
         self._assert_state(TrainingState.IDLE)
         states = states_in(self, recurse=True)
         return clip_grad_norm(self, self._state, states, float(max_norm), float(norm_type))
+
+
+FSDP = FullyShardedDataParallel

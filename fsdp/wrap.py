@@ -63,6 +63,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 import torch
@@ -105,7 +106,9 @@ def _subtrees(modules: Iterable[nn.Module]) -> set[nn.Module]:
     return {submodule for module in modules for submodule in module.modules()}
 
 
-def _candidates(root_module: nn.Module, ignored_modules: set[nn.Module]) -> Iterator[nn.Module]:
+def _candidates(
+    root_module: nn.Module, ignored_modules: AbstractSet[nn.Module]
+) -> Iterator[nn.Module]:
     """``root_module.modules()`` without the subtrees of ``ignored_modules``."""
     ignored = _subtrees(ignored_modules)
     return (module for module in root_module.modules() if module not in ignored)
@@ -118,7 +121,7 @@ class _Policy(ABC):
     def _run_policy(
         self,
         root_module: nn.Module,
-        ignored_modules: set[nn.Module],
+        ignored_modules: AbstractSet[nn.Module],
         root_kwargs: dict[str, Any],
     ) -> dict[nn.Module, dict[str, Any]]:
         """Each module to wrap (the root may be among them), mapped to its own
@@ -144,7 +147,7 @@ class ModuleWrapPolicy(_Policy):
     def _run_policy(
         self,
         root_module: nn.Module,
-        ignored_modules: set[nn.Module],
+        ignored_modules: AbstractSet[nn.Module],
         root_kwargs: dict[str, Any],
     ) -> dict[nn.Module, dict[str, Any]]:
         return {
@@ -175,7 +178,7 @@ class CustomPolicy(_Policy):
     def _run_policy(
         self,
         root_module: nn.Module,
-        ignored_modules: set[nn.Module],
+        ignored_modules: AbstractSet[nn.Module],
         root_kwargs: dict[str, Any],
     ) -> dict[nn.Module, dict[str, Any]]:
         targets: dict[nn.Module, dict[str, Any]] = {}
@@ -514,8 +517,8 @@ def _check_no_fsdp_applied(root_module: nn.Module) -> None:
 def _auto_wrap(
     root_module: nn.Module,
     policy: AutoWrapPolicy,
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
+    ignored_modules: AbstractSet[nn.Module],
+    ignored_params: AbstractSet[nn.Parameter],
     root_kwargs: dict[str, Any],
     fsdp_fn: FsdpFn,
 ) -> None:
@@ -606,7 +609,7 @@ def _mixed_requires_grad_message(
 def _validate_frozen_params(
     root_module: nn.Module,
     modules_to_wrap: set[nn.Module],
-    ignored_params: set[nn.Parameter],
+    ignored_params: AbstractSet[nn.Parameter],
     use_orig_params: bool,
 ) -> None:
     """Checks that each module to wrap would manage parameters that are all

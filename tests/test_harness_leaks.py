@@ -16,7 +16,7 @@ CHURN = textwrap.dedent(
     import torch.distributed as dist
     from torch import nn
     from harness import DistributedTest
-    from harness.fsdp_api import FSDP, ShardingStrategy
+    from harness.fsdp_api import FSDP, ModuleWrapPolicy, ShardingStrategy
 
     TESTS = @TESTS@
 
@@ -48,9 +48,13 @@ CHURN = textwrap.dedent(
                 model = FSDP(net, process_group=group, use_orig_params=i % 2 == 0)
                 train(model, self.device)
                 models.append(model)
-            # Hybrid sharding builds its own shard and replicate groups.
+            # Hybrid sharding under an auto-wrap policy builds its own groups.
             net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(self.device)
-            hybrid = FSDP(net, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+            hybrid = FSDP(
+                net,
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            )
             type(self).kept = (models, train(hybrid, self.device))  # restored after the test
             try:
                 raise RuntimeError("a traceback that references the models")
