@@ -1,1 +1,1 @@
-pytest_plugins = ["harness.plugin", "pytester"]
+pytest_plugins = ["harness.plugin", "fsdptest.plugin", "pytester"]

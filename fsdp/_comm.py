@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.profiler import record_function
@@ -72,7 +71,3 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2
     return float(pre), world_size / pre
-
-
-def is_float(tensor: Tensor) -> bool:
-    return torch.is_floating_point(tensor)

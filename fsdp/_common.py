@@ -30,6 +30,7 @@ _CHECKPOINT_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
 
+# Strategies that keep the unsharded parameter from forward to backward (torch's name).
 NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
     ShardingStrategy.SHARD_GRAD_OP,
     ShardingStrategy._HYBRID_SHARD_ZERO2,
@@ -66,9 +67,6 @@ class TrainingState(enum.Enum):
     IDLE = enum.auto()
     FORWARD_BACKWARD = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
-
-    def is_idle(self) -> bool:
-        return self is TrainingState.IDLE
 
 
 class HandleTrainingState(enum.Enum):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from torch import nn
 
 from fsdp import _registry
-from fsdp._flat_param import FlatParameter
+from fsdp._storage import FlatParameter
 
 
 class Ignored(NamedTuple):

@@ -307,7 +307,7 @@ def _build_handle(
         groups.shard,
         config.use_orig_params,
     )
-    handle.shard()
+    handle.shard_in_place()
     if config.cpu_offload.offload_params and handle.flat_param.device.type != "cpu":
         handle.move_shard_to(torch.device("cpu"))
     return handle

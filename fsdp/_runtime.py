@@ -45,20 +45,19 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp import _comm, _registry
 from fsdp._common import (
     FLAT_PARAM,
-    HYBRID_STRATEGIES,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     EnvSwitches,
-    HandleTrainingState,
     ProcessGroups,
     TrainingState,
 )
-from fsdp._flat_param import FlatParamHandle, free_storage
+from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
+from fsdp._storage import free_storage
 from fsdp._streams import CommStreams
 from fsdp.api import (
     BackwardPrefetch,
@@ -90,6 +89,11 @@ class UnitConfig:
     limit_all_gathers: bool
     use_orig_params: bool
     env: EnvSwitches
+
+    @property
+    def keeps_unsharded_after_forward(self) -> bool:
+        """The strategy keeps the unsharded parameter from forward to backward."""
+        return self.sharding_strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
 
 
 class ExecutionOrder:
@@ -131,7 +135,6 @@ class RootContext:
     streams: CommStreams
     exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
     backward_started: bool = False
-    unshard_events: dict[int, torch.cuda.Event | None] = field(default_factory=dict)
 
     def state_of(self, handle: FlatParamHandle) -> FSDPState:
         return next(s for s in self.states if s.handle is handle)
@@ -252,7 +255,7 @@ class FSDPState:
         handle = self.handle
         if handle is not None:
             self._check_flat_param_device(handle)
-            handle.init_flat_param_attributes()
+            handle.lazy_init()
         for module, name in self.buffers:
             buffer = module._buffers[name]
             if buffer is not None:
@@ -316,12 +319,11 @@ class FSDPState:
         if mp.cast_forward_inputs and mp.param_dtype is not None and not self.full_precision_now():
             args, kwargs = _cast_floats(mp.param_dtype, args, kwargs)
         handle = self.handle
-        if handle is None:
+        if handle is None or handle.recomputing_in_backward():
             return args, kwargs
         with record_function("FSDP::pre_forward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
-            handle._training_state = HandleTrainingState.FORWARD
-            handle.set_force_full_precision(self.full_precision_now())
+            handle.begin_forward(self.full_precision_now())
             self.root.exec_order.record(handle)
             self.unshard(handle)
             self.wait_for_unshard(handle)
@@ -329,26 +331,25 @@ class FSDPState:
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
             if self.config.forward_prefetch:
-                self._prefetch(
-                    self.root.exec_order.forward_next(handle), HandleTrainingState.FORWARD
-                )
+                self._prefetch(self.root.exec_order.forward_next(handle), in_backward=False)
         return args, kwargs
 
     @_eager
     def post_forward(self, output: Any) -> Any:
+        """Reshards (see [Note: One iteration]) and hooks the outputs; a forward
+        recomputed inside this unit's backward (activation checkpointing) keeps
+        the unsharded parameter for the backward that follows."""
         handle = self.handle
+        if handle is not None and handle.recomputing_in_backward():
+            return output
         with record_function("FSDP::post_forward"):
             if handle is not None:
-                strategy = self.config.sharding_strategy
-                free = not self.is_root and strategy in (
-                    ShardingStrategy.FULL_SHARD,
-                    ShardingStrategy.HYBRID_SHARD,
-                )
-                keep_views = (
-                    torch.is_grad_enabled() and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
-                )
+                keeps = self.config.keeps_unsharded_after_forward
+                # NO_SHARD has nothing to free; the root's backward starts right away.
+                free = not (keeps or self.is_root or not handle.uses_sharded_strategy)
+                keep_views = keeps and torch.is_grad_enabled()
                 self.reshard(handle, free=free, use_sharded_views=not keep_views)
-                handle._training_state = HandleTrainingState.IDLE
+                handle.end_forward(awaits_backward=_needs_grad(output))
             output = self._register_pre_backward_hooks(output, handle)
             self.training_state = TrainingState.IDLE
         return output
@@ -357,22 +358,17 @@ class FSDPState:
         """Registers the pre-backward hook on every output tensor that needs a gradient."""
         if not torch.is_grad_enabled():
             return output
-        if handle is not None:
-            handle._needs_pre_backward_unshard = False
-            handle._ran_pre_backward_hook = False
 
         def register(tensor: Tensor) -> Tensor:
             if tensor.requires_grad:
                 tensor.register_hook(self._make_pre_backward_hook(handle))
-                if handle is not None:
-                    handle._needs_pre_backward_unshard = True
             return tensor
 
         return tree_map_only(Tensor, register, output)
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
-        (see [Note: The post-backward hook's node])."""
+        (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
         handle.register_post_backward_hook(self._make_post_backward_hook(handle))
 
     # -- backward ------------------------------------------------------------------------
@@ -390,21 +386,16 @@ class FSDPState:
         if not context.backward_started:
             context.backward_started = True
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
-        if handle is None or handle._ran_pre_backward_hook:
+        if handle is None or not handle.begin_backward():
             return
         with record_function("FSDP::pre_backward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
-            handle._training_state = HandleTrainingState.BACKWARD_PRE
-            if handle._needs_pre_backward_unshard:
-                self.unshard(handle)
-                self.wait_for_unshard(handle)
-                handle._use_unsharded_views(as_params=False)
+            self.unshard(handle)
+            self.wait_for_unshard(handle)
+            handle._use_unsharded_views(as_params=False)
             handle.prepare_gradient_for_backward()
-            handle._ran_pre_backward_hook = True
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(
-                    context.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE
-                )
+                self._prefetch(context.exec_order.backward_next(handle), in_backward=True)
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
         def hook() -> None:
@@ -415,19 +406,15 @@ class FSDPState:
     @_eager
     def _post_backward(self, handle: FlatParamHandle) -> None:
         with record_function("FSDP::post_backward"):
-            handle._post_backward_called = True
-            handle._training_state = HandleTrainingState.BACKWARD_POST
+            handle.end_backward()
             if handle.flat_param.grad is None:
                 return
             if not self.sync_gradients:
-                if handle._use_orig_params:
-                    handle._use_unsharded_grad_views()
+                handle.keep_unsharded_grad()
                 return
             self.reshard(handle, free=True)
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch(
-                    self.root.exec_order.backward_next(handle), HandleTrainingState.BACKWARD_PRE
-                )
+                self._prefetch(self.root.exec_order.backward_next(handle), in_backward=True)
             self._reduce_grad(handle)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
@@ -493,11 +480,7 @@ class FSDPState:
         """A unit that took part in this backward but whose hooked node never
         ran (the first forward's graph was dropped) is finished here."""
         handle = self.handle
-        if (
-            handle is not None
-            and handle._ran_pre_backward_hook
-            and not handle._post_backward_called
-        ):
+        if handle is not None and handle.backward_missed():
             self._post_backward(handle)
 
     def _finalize_unit(self) -> None:
@@ -505,37 +488,38 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if handle is None:
             return
-        if handle.is_unsharded():
-            self.reshard(handle, free=True)
-        handle.prepare_gradient_for_optim(synced=self.sync_gradients)
-        handle.reset_iteration()
+        if handle.is_unsharded() or handle.holds_unsharded_buffers():
+            self.reshard(handle, free=True)  # also a copy kept for a backward that never ran
+        handle.finish_iteration(synced=self.sync_gradients)
 
     # -- unshard / reshard ------------------------------------------------------------------
 
-    def unshard(self, handle: FlatParamHandle) -> None:
+    def unshard(self, handle: FlatParamHandle, prefetch: bool = False) -> None:
         """Makes the unsharded parameter available (communication is asynchronous
-        on CUDA: call ``wait_for_unshard`` before computing with it)."""
+        on CUDA: call ``wait_for_unshard`` before computing with it). A prefetch
+        fills the buffer but leaves the flat parameter sharded; the unit's own
+        unshard then finds the data ready."""
         handle.writeback_orig_params(self.config.env.skip_writeback_check)
         if handle.is_unsharded():
             return
         ready = handle.ready_unsharded()
         if ready is not None:
-            handle.post_unshard(ready)
+            if not prefetch:
+                handle.finish_unshard(ready)
             return
-        context = self.root
-        with context.streams.on_unshard(), record_function("FSDP::unshard"):
-            unsharded_input = handle.pre_unshard()
+        streams = self.root.streams
+        with streams.on_unshard(), record_function("FSDP::unshard"):
+            unsharded = handle.unshard_input()
             if handle.uses_sharded_strategy:
                 buffer = handle.unsharded_buffer()
-                _comm.all_gather(buffer, unsharded_input, self.process_group)
-                handle.post_unshard(buffer)
-            else:
-                handle.post_unshard(unsharded_input)
-            context.unshard_events[id(handle)] = context.streams.record_unshard()
+                _comm.all_gather(buffer, unsharded, self.process_group)
+                unsharded = buffer
+            handle.record_unshard(streams.record_unshard())
+            if not prefetch:
+                handle.finish_unshard(unsharded)
 
     def wait_for_unshard(self, handle: FlatParamHandle) -> None:
-        context = self.root
-        context.streams.compute_waits(context.unshard_events.pop(id(handle), None))
+        self.root.streams.compute_waits(handle.take_unshard_event())
 
     def unshard_grad(self, handle: FlatParamHandle) -> None:
         """Gathers the sharded gradient and exposes it on the original parameters
@@ -570,24 +554,19 @@ class FSDPState:
         self.root.streams.release(handle.buffers_freed_by_reshard(free))
         handle.reshard(free, use_sharded_views)
 
-    def _prefetch(self, target: FlatParamHandle | None, phase: HandleTrainingState) -> None:
+    def _prefetch(self, target: FlatParamHandle | None, in_backward: bool) -> None:
         """Starts ``target``'s all-gather early; its own pre-hook later finds the
-        data ready. A target that needs no communication is left alone."""
-        if target is None or target.is_unsharded() or target._prefetched:
+        data ready. Only a sharded unit that still needs its data (in backward:
+        one whose backward has not started) is prefetched, so prefetching never
+        adds an all-gather."""
+        if target is None or not target.uses_sharded_strategy or target.is_unsharded():
             return
-        if phase.in_backward() and (
-            not target._needs_pre_backward_unshard or target._ran_pre_backward_hook
-        ):
+        if in_backward and not target.awaits_backward():
             return
         state = self.root.state_of(target)
         target.set_force_full_precision(state.full_precision_now())
-        if target.ready_unsharded() is not None:
-            return
         with record_function("FSDP::prefetch"):
-            state.unshard(target)
-            target._prefetched = True
-            # Until its own pre-hook runs, the target keeps pointing at its shard.
-            target.reshard(False, not target._skipped_use_sharded_views)
+            state.unshard(target, prefetch=True)
 
     # -- the flat parameter as a registered parameter of the wrapper --------------------
 
@@ -611,6 +590,9 @@ class FSDPState:
                 f"expected to be in states {states} but current state is {self.training_state}"
             )
 
-    @property
-    def uses_hybrid(self) -> bool:
-        return self.config.sharding_strategy in HYBRID_STRATEGIES
+
+def _needs_grad(output: Any) -> bool:
+    """Whether any tensor of a forward's output needs a gradient (its backward will run)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output))

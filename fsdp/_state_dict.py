@@ -180,14 +180,11 @@ class _LocalStateDict:
         handle = unit.state.handle
         key = prefix + FLAT_PARAM
         if handle is not None and key in state_dict:
-            with torch.no_grad():
-                handle.flat_param._local_shard.copy_(state_dict.pop(key))
+            handle.load_local_shard(state_dict.pop(key))
         _prefix_entries(state_dict, prefix)
 
     def post_load(self, unit: SummonedUnit) -> None:
-        handle = unit.state.handle
-        if handle is not None and handle._use_orig_params:
-            handle._use_sharded_views()
+        pass
 
 
 _KINDS: dict[StateDictType, Any] = {

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from fsdp import _registry
-from fsdp._common import HandleTrainingState, TrainingState
+from fsdp._common import TrainingState
 from fsdp._runtime import FSDPState
 
 
@@ -154,8 +154,7 @@ class SummonedUnit:
         handle = state.handle
         if handle is None:
             return
-        handle._training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-        handle.set_force_full_precision(True)
+        handle.begin_summon()
         state.drop_low_precision_unsharded(handle)  # [Note: Summoning keeps what forward kept]
         self._free_on_exit = handle.ready_unsharded() is None
         # Outside forward nothing else orders the all-gather after the optimizer
@@ -170,8 +169,7 @@ class SummonedUnit:
             handle.drop_unsharded_grad(writeback=False)
             return
         if self.offload_to_cpu:
-            device_data = handle.flat_param.data
-            handle.flat_param.data = device_data.cpu()
+            device_data = handle.unsharded_to_cpu()
             if self._free_on_exit:
                 state.root.streams.release([device_data])
                 handle.free_unsharded()
@@ -186,8 +184,7 @@ class SummonedUnit:
                 return
             if not self._hidden_here:
                 self._leave_exposed(writeback)
-            handle.set_force_full_precision(False)
-            handle._training_state = HandleTrainingState.IDLE
+            handle.end_summon()
         finally:
             state.training_state = TrainingState.IDLE
 

@@ -244,8 +244,6 @@ class FullyShardedDataParallel(nn.Module):
             if use_orig:
                 self._parameters.pop(FLAT_PARAM, None)
             handle.rebind_local_shard()
-            if use_orig:
-                handle.register_orig_params()
 
     # -- static API --------------------------------------------------------------------------------
 

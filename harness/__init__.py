@@ -1,6 +1,6 @@
 """A pytest-native runner for distributed tests: real processes, real process groups."""
 
 from harness.parametrize import parametrize, subtest_name
-from harness.testcase import DistributedTest, FSDPTest, current_device
+from harness.testcase import DistributedTest, current_device
 
-__all__ = ["DistributedTest", "FSDPTest", "current_device", "parametrize", "subtest_name"]
+__all__ = ["DistributedTest", "current_device", "parametrize", "subtest_name"]

@@ -43,6 +43,7 @@ class WorkerSpec:
     sys_path: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     pg_timeout_s: float
+    isolated_modules: tuple[str, ...]
 
 
 @dataclass(frozen=True)

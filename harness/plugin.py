@@ -7,7 +7,6 @@ Enable it with ``pytest_plugins = ["harness.plugin"]`` in a conftest file or
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import warnings
 from typing import Any
@@ -15,16 +14,14 @@ from typing import Any
 import pytest
 
 from harness import hookspec
-from harness._dispatch import PoolManager, TestRequest, run
-from harness._limits import TORCH_CPU_OFFLOAD_SKIP
-from harness._pool import Placement, PoolKey
+from harness._controller.devices import DevicePlan
+from harness._controller.dispatch import PoolManager, TestRequest, run
+from harness._controller.report import PoolLeakWarning
 from harness._protocol import RunTest, Status, SubtestCounts
-from harness._report import PoolLeakWarning
-from harness.devices import DevicePlan
+from harness._types import Placement, PoolKey, PoolSettings
 from harness.subtests import parse_filter
 from harness.testcase import DistributedTest, declared_world_size
 
-IMPL_ENV = "FSDP_HARNESS_IMPL"  # read by harness.fsdp_api
 _PG_TIMEOUT_S = 1800.0
 _SEED = 0
 
@@ -39,6 +36,13 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "harness_isolated_modules",
+        "packages whose module and class attributes are restored in the ranks after "
+        "every distributed test (the test's own module always is)",
+        type="linelist",
+        default=[],
+    )
     group = parser.getgroup("distributed", "distributed tests (harness)")
     group.addoption(
         "--device",
@@ -53,13 +57,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=2,
         help="ranks for test classes that do not pin world_size. Default: 2.",
-    )
-    group.addoption(
-        "--fsdp-impl",
-        choices=("local", "torch"),
-        default="local",
-        help="FSDP under test: this project's fsdp package (local) or "
-        "torch.distributed.fsdp (torch). Default: local.",
     )
     group.addoption(
         "--subtest",
@@ -103,13 +100,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
     ):
         config.addinivalue_line("markers", line)
-    os.environ[IMPL_ENV] = config.getoption("fsdp_impl")
     config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
-    config.stash[manager_key] = PoolManager(
+    settings = PoolSettings(
         capture_output=config.getoption("capture") != "no",
-        env={IMPL_ENV: config.getoption("fsdp_impl")},
         pg_timeout_s=_PG_TIMEOUT_S,
+        isolated_modules=isolated_modules(config),
     )
+    config.stash[manager_key] = PoolManager(settings)
     config.pluginmanager.register(SubtestReporter(config), "harness-subtests")
     parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
 
@@ -164,20 +161,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[placement_key] = placement
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_harness_skip_reason(item: pytest.Item, placement: Placement) -> str | None:
-    """Torch's FSDP cannot offload parameters on a CPU-only run: such cases are
-    skipped here, before any rank starts, when the parametrization says so."""
-    if item.config.getoption("fsdp_impl") != "torch" or placement.device_type != "cpu":
-        return None
-    callspec = getattr(item, "callspec", None)
-    params = callspec.params if callspec is not None else {}
-    for name, value in params.items():
-        if getattr(value, "offload_params", False) is True or (
-            name == "offload_params" and value is True
-        ):
-            return TORCH_CPU_OFFLOAD_SKIP
-    return None
+def isolated_modules(config: pytest.Config) -> tuple[str, ...]:
+    """The packages whose module and class attributes every test gets back as it
+    found them (see harness._rank.isolation): the ``harness_isolated_modules``
+    ini value, what plugins add through ``pytest_harness_isolated_modules``, and
+    the harness's own patchable module."""
+    names = ["harness.collectives", *config.getini("harness_isolated_modules")]
+    for contributed in config.hook.pytest_harness_isolated_modules(config=config):
+        names.extend(contributed)
+    return tuple(dict.fromkeys(names))
 
 
 def _marker_skip_reason(item: pytest.Item, placement: Placement) -> str | None:

@@ -1,17 +1,15 @@
 """The models of the parity and wrapping tests.
 
-Every FSDP name they use comes from ``harness.fsdp_api``, so they run under
-either implementation; "the device" is the rank's (``harness.current_device``).
-Test models (``FSDPTestModel``) are built with
+Every FSDP name they use comes from ``fsdptest.api``, so they run under
+either implementation; "the device" is the rank's (``fsdptest.api.current_device``).
+Test models (``fsdptest.interface.FSDPTestModel``) are built with
 ``Model.init(group, fsdp_init_mode, device_init_mode, fsdp_kwargs, deterministic=...)``.
 """
 
-from models.base import FSDPTestModel, ModelFactory, unwrap_test_model
 from models.batchnorm import BatchNormNet
 from models.delays import sleep_ms
 from models.dummies import DummyDDP, DummyProcessGroup
 from models.experts import MixtureOfExperts
-from models.init_modes import DeviceInitMode, FSDPInitMode
 from models.inputs import SaveForwardInputsModel, SaveForwardInputsModule
 from models.lora import LoraAttention, LoraDecoder, LoraMLP, LoraModel
 from models.nested import (
@@ -29,18 +27,14 @@ from models.transformer import TransformerWithSharedParams
 __all__ = [
     "AlwaysWrapNestedWrappedModule",
     "BatchNormNet",
-    "DeviceInitMode",
     "DummyDDP",
     "DummyProcessGroup",
-    "FSDPInitMode",
-    "FSDPTestModel",
     "LayerFactory",
     "LoraAttention",
     "LoraDecoder",
     "LoraMLP",
     "LoraModel",
     "MixtureOfExperts",
-    "ModelFactory",
     "ModuleWithDelay",
     "NestedSequentialModel",
     "NestedWrappedModule",
@@ -51,5 +45,4 @@ __all__ = [
     "TransformerWithSharedParams",
     "resnet50",
     "sleep_ms",
-    "unwrap_test_model",
 ]

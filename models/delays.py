@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from harness import current_device
+from fsdptest.api import current_device
 
 _CALIBRATION_CYCLES = 1_000_000
 _CALIBRATION_RUNS = 5

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.fsdp_api import FSDP, SEAMS
+from fsdptest.api import FSDP, SEAMS
+from fsdptest.interface import DeviceInitMode, FSDPInitMode, to_device_if
 from models.delays import sleep_ms
-from models.init_modes import DeviceInitMode, FSDPInitMode, to_device_if
 from models.nested import LayerFactory, NestedWrappedModule
 
 _D_EXPERT = 23
@@ -40,7 +40,7 @@ class MixtureOfExperts(NestedWrappedModule):
 
     ``delay_before_free_ms`` delays every reshard (the free of unsharded
     parameters) during forward when the expert is an FSDP unit, by patching the
-    implementation's reshard seam (``harness.fsdp_api.SEAMS.reshard``).
+    implementation's reshard seam (``fsdptest.api.SEAMS.reshard``).
     """
 
     num_expert_params: int = _D_EXPERT * _D_SHARED + _D_SHARED

@@ -19,11 +19,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdptest.api import FSDP, always_wrap_policy
+from fsdptest.interface import (
+    DeviceInitMode,
+    FSDPInitMode,
+    FSDPTestModel,
+    ModelFactory,
+    to_device_if,
+    unwrap_test_model,
+)
 from harness.collectives import Collective, current, patch_reduce_scatter
-from harness.fsdp_api import FSDP, always_wrap_policy
-from models.base import FSDPTestModel, ModelFactory, unwrap_test_model
 from models.delays import sleep_ms
-from models.init_modes import DeviceInitMode, FSDPInitMode, to_device_if
 
 _MODEL_SEED = 0
 

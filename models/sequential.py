@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdptest.api import FSDP
 from harness.assertions import Assertions
-from harness.fsdp_api import FSDP
 
 
 class NestedSequentialModel:

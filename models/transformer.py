@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.fsdp_api import FSDP, ModuleWrapPolicy, ShardingStrategy
-from models.base import FSDPTestModel
-from models.init_modes import DeviceInitMode, FSDPInitMode, to_device_if
+from fsdptest.api import FSDP, ModuleWrapPolicy, ShardingStrategy
+from fsdptest.interface import DeviceInitMode, FSDPInitMode, FSDPTestModel, to_device_if
 
 GroupArg = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
 

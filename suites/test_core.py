@@ -24,8 +24,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-from harness import FSDPTest, parametrize, subtest_name
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     FSDP,
     SEAMS,
     BackwardPrefetch,
@@ -35,13 +35,12 @@ from harness.fsdp_api import (
     ModuleWrapPolicy,
     ShardingStrategy,
 )
+from fsdptest.interface import DeviceInitMode, FSDPInitMode, ModelFactory
+from harness import parametrize, subtest_name
 from models import (
     AlwaysWrapNestedWrappedModule,
-    DeviceInitMode,
     DummyDDP,
-    FSDPInitMode,
     MixtureOfExperts,
-    ModelFactory,
     NestedWrappedModule,
     NestedWrappedModuleWithDelay,
     TransformerWithSharedParams,

@@ -8,13 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness import FSDPTest
-from harness.fsdp_api import (
-    FSDP,
-    FlatParamHandle,
-    FlatParamShardMetadata,
-    HandleShardingStrategy,
-)
+from fsdptest import FSDPTest
+from fsdptest.api import FSDP, FlatParamHandle, FlatParamShardMetadata, HandleShardingStrategy
 
 InputFn = Callable[[torch.device, torch.dtype], tuple[torch.Tensor, ...]]
 

@@ -35,9 +35,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.torch_version import TorchVersion
 
-from harness import FSDPTest, collectives, parametrize, subtest_name
-from harness.collectives import Collective, current
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     _FSDP_USE_FULL_PREC_IN_EVAL,
     FSDP,
     FULLY_SHARD_MISSING,
@@ -50,13 +49,10 @@ from harness.fsdp_api import (
     fully_shard,
     size_based_auto_wrap_policy,
 )
-from models import (
-    DeviceInitMode,
-    FSDPInitMode,
-    SaveForwardInputsModel,
-    TransformerWithSharedParams,
-    resnet50,
-)
+from fsdptest.interface import DeviceInitMode, FSDPInitMode
+from harness import collectives, parametrize, subtest_name
+from harness.collectives import Collective, current
+from models import SaveForwardInputsModel, TransformerWithSharedParams, resnet50
 
 
 def _gloo_supports_bf16() -> bool:

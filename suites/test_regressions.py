@@ -17,9 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import FSDPTest, current_device
-from harness.collectives import Collective, CollectiveRecorder, patch_collective
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     FSDP,
     IMPL,
     BackwardPrefetch,
@@ -30,6 +29,8 @@ from harness.fsdp_api import (
     ShardingStrategy,
     StateDictType,
 )
+from harness import current_device
+from harness.collectives import Collective, CollectiveRecorder, patch_collective
 from models import sleep_ms
 
 SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
@@ -88,7 +89,7 @@ def _checksum_everywhere(test: FSDPTest, tensors: list[torch.Tensor]) -> None:
 
 
 def _cpu_offload_runs(offload: bool) -> bool:
-    """Torch's FSDP cannot offload on a CPU-only run (see harness.fsdp_api)."""
+    """Torch's FSDP cannot offload on a CPU-only run (see fsdptest.api)."""
     return not (offload and IMPL == "torch" and current_device().type == "cpu")
 
 

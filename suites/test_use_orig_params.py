@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import DistributedTest, FSDPTest
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     _FSDP_SKIP_WRITEBACK_CHECK,
     _FSDP_USE_FULL_PREC_IN_EVAL,
     FSDP,
@@ -41,7 +41,9 @@ from harness.fsdp_api import (
     always_wrap_policy,
     clean_tensor_name,
 )
-from models import DeviceInitMode, FSDPInitMode, TransformerWithSharedParams
+from fsdptest.interface import DeviceInitMode, FSDPInitMode
+from harness import DistributedTest
+from models import TransformerWithSharedParams
 
 ParamGroup = dict[str, Any]
 OptimClass = type[torch.optim.Optimizer]

@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import TransformerDecoderLayer, TransformerEncoderLayer
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from harness import FSDPTest, parametrize
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     FSDP,
     BackwardPrefetch,
     CPUOffload,
@@ -39,11 +39,11 @@ from harness.fsdp_api import (
     transformer_auto_wrap_policy,
     wrap,
 )
+from fsdptest.interface import DeviceInitMode, FSDPInitMode, to_device_if
+from harness import parametrize
 from models import (
     BatchNormNet,
-    DeviceInitMode,
     DummyProcessGroup,
-    FSDPInitMode,
     LoraAttention,
     LoraDecoder,
     LoraMLP,
@@ -51,7 +51,6 @@ from models import (
     NestedSequentialModel,
     TransformerWithSharedParams,
 )
-from models.init_modes import to_device_if
 
 AutoWrapPolicy = Callable[..., bool] | _Policy
 CustomPolicyFn = Callable[[nn.Module], bool | dict[str, Any]]

@@ -9,14 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import FSDPTest
-from harness.collectives import (
-    Collective,
-    CollectiveRecorder,
-    current,
-    patch_reduce_scatter,
-)
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     FSDP,
     IMPL,
     CPUOffload,
@@ -24,6 +18,12 @@ from harness.fsdp_api import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
+)
+from harness.collectives import (
+    Collective,
+    CollectiveRecorder,
+    current,
+    patch_reduce_scatter,
 )
 
 

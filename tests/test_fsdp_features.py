@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import FSDPTest, current_device
-from harness.fsdp_api import (
+from fsdptest import FSDPTest
+from fsdptest.api import (
     FSDP,
     IMPL,
     BackwardPrefetch,
@@ -23,6 +23,7 @@ from harness.fsdp_api import (
     ShardingStrategy,
     StateDictType,
 )
+from harness import current_device
 
 
 def _model() -> nn.Module:

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import FSDPTest
-from harness.fsdp_api import FSDP, ModuleWrapPolicy, ShardingStrategy
+from fsdptest import FSDPTest
+from fsdptest.api import FSDP, ModuleWrapPolicy, ShardingStrategy
 
 
 def _model(device: torch.device) -> nn.Module:

@@ -16,7 +16,7 @@ CHURN = textwrap.dedent(
     import torch.distributed as dist
     from torch import nn
     from harness import DistributedTest
-    from harness.fsdp_api import FSDP, ModuleWrapPolicy, ShardingStrategy
+    from fsdptest.api import FSDP, ModuleWrapPolicy, ShardingStrategy
 
     TESTS = @TESTS@
 

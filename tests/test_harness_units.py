@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from harness import _dispatch
-from harness._pool import Attempt, Placement, PoolKey
+from harness._controller.devices import DevicePlan, gpu_slice
 from harness._protocol import RunTest
+from harness._types import Attempt, Placement, PoolKey
 from harness.assertions import Assertions, assert_equal
-from harness.devices import DevicePlan, gpu_slice
 from harness.parametrize import parametrize, subtest_name, value_id
 from harness.subtests import combinations, matches, parse_filter, render_config
 

@@ -10,15 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import FSDPTest, current_device
-from harness.fsdp_api import (
-    FSDP,
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-)
-from harness.parity import (
+from fsdptest import FSDPTest
+from fsdptest.api import FSDP, BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdptest.interface import DeviceInitMode, FSDPInitMode, ModelFactory, unwrap_test_model
+from fsdptest.parity import (
     EXACT,
     REORDERED_FP32,
     ParityConfig,
@@ -27,16 +22,14 @@ from harness.parity import (
     low_precision_tolerance,
     reference_parameters,
 )
+from harness import current_device
 from models import (
     AlwaysWrapNestedWrappedModule,
     BatchNormNet,
-    DeviceInitMode,
     DummyDDP,
     DummyProcessGroup,
-    FSDPInitMode,
     LoraModel,
     MixtureOfExperts,
-    ModelFactory,
     NestedSequentialModel,
     NestedWrappedModule,
     NestedWrappedModuleWithDelay,
@@ -45,7 +38,6 @@ from models import (
     TransformerWithSharedParams,
     resnet50,
     sleep_ms,
-    unwrap_test_model,
 )
 
 # FSDP units each model's RECURSIVE init builds (the root counts when it is one).

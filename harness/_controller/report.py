@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from harness import _stacks
-from harness._pool import Attempt, RankResult, SubtestRecord
+from harness._controller import stacks
 from harness._protocol import Status, SubtestCounts
+from harness._types import Attempt, RankResult, SubtestRecord
 
 _DEATH_OUTPUT_LINES = 40
 
@@ -240,7 +240,7 @@ def _death_section(result: RankResult) -> str:
     where = ""
     if result.current_subtest is not None:
         where = f" during subtest {result.current_subtest[0]} [{result.current_subtest[1]}]"
-    tail = "\n".join(_stacks.clean(result.output).splitlines()[-_DEATH_OUTPUT_LINES:])
+    tail = "\n".join(stacks.clean(result.output).splitlines()[-_DEATH_OUTPUT_LINES:])
     return f"=== rank {result.rank}: {result.death}{where} ===\nlast output of the rank:\n{tail}"
 
 
@@ -261,7 +261,7 @@ def _stopped_section(result: RankResult, final: Attempt) -> str:
         why = f"still running{where} at the deadline"
     else:
         why = f"stopped{where} after another rank failed; it was blocked here"
-    stack = _stacks.clean(result.stopped_stack) if result.stopped_stack else ""
+    stack = stacks.clean(result.stopped_stack) if result.stopped_stack else ""
     stack = stack or "(no stack: it did not answer)"
     return f"=== rank {result.rank}: {why} ===\n{stack}"
 

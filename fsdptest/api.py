@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from harness._limits import TORCH_CPU_OFFLOAD_SKIP
+from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_SKIP
+from harness import current_device
 
-IMPL_ENV = "FSDP_HARNESS_IMPL"
 IMPL: str = os.environ.get(IMPL_ENV, "local")
 if IMPL not in ("local", "torch"):
     raise ValueError(f"{IMPL_ENV} must be 'local' or 'torch', got {IMPL!r}")
@@ -41,11 +41,6 @@ class Seams:
     register_pre_backward_hooks: str
     register_post_backward_hook: str
     reshard: str
-
-
-def rank_device_type() -> str:
-    """Where this process's ranks compute: set by the harness inside ranks."""
-    return os.environ.get("HARNESS_DEVICE_TYPE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 if IMPL == "torch":
@@ -100,7 +95,7 @@ if IMPL == "torch":
         """Torch's FSDP, given the rank's device on CPU runs (see the module note)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            if rank_device_type() == "cpu":
+            if current_device().type == "cpu":
                 bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
                 offload = bound.get("cpu_offload")
                 if offload is not None and offload.offload_params:
@@ -199,6 +194,7 @@ __all__ = [
     "_wrap_module_cls_individually",
     "always_wrap_policy",
     "clean_tensor_name",
+    "current_device",
     "enable_wrap",
     "fully_shard",
     "lambda_auto_wrap_policy",

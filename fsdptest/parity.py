@@ -65,8 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.assertions import Assertions
-from harness.fsdp_api import (
+from fsdptest.api import (
     FSDP,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
@@ -76,9 +75,15 @@ from harness.fsdp_api import (
     ShardingStrategy,
     clean_tensor_name,
 )
+from fsdptest.interface import (
+    DeviceInitMode,
+    FSDPInitMode,
+    ModelFactory,
+    to_device_if,
+    unwrap_test_model,
+)
+from harness.assertions import Assertions
 from harness.testcase import current_device
-from models.base import ModelFactory, unwrap_test_model
-from models.init_modes import DeviceInitMode, FSDPInitMode, to_device_if
 
 LR = 1e-2
 MOMENTUM = 0.9

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from harness._pool import Placement
+from harness._types import Placement
 
 
 def visible_gpus() -> tuple[str, ...]:

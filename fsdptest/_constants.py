@@ -1,4 +1,7 @@
-"""Known limits of the implementations under test, shared by the plugin and the API module."""
+"""Names the FSDP test layer's plugin and its API facade share (the plugin must
+not import the facade: the facade picks the implementation when imported)."""
+
+IMPL_ENV = "FSDP_HARNESS_IMPL"  # the implementation under test, set by the plugin
 
 TORCH_CPU_OFFLOAD_SKIP = (
     "torch.distributed.fsdp cannot offload parameters to the CPU without an accelerator "

@@ -14,7 +14,6 @@ then serves ``RunTest`` messages until ``Shutdown`` or until its pipe closes.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import faulthandler
 import os
 import signal
@@ -24,6 +23,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TextIO
+
+from harness._protocol import WorkerSpec
 
 STACK_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1
@@ -37,13 +38,12 @@ def stacks_path(output_dir: str, rank: int) -> Path:
     return Path(output_dir) / f"rank{rank}.stacks"
 
 
-def main(spec: object, conn: Connection, stack_requests: Connection) -> None:
-    from harness._protocol import WorkerSpec
-
-    assert isinstance(spec, WorkerSpec)
+def main(spec: WorkerSpec, conn: Connection, stack_requests: Connection) -> None:
     _prepare_process(spec)
     _serve_stack_requests(stack_requests)
-    from harness._runner import serve
+    # Imported only now: the runner imports torch, which must see the
+    # environment (CUDA_VISIBLE_DEVICES, ...) that _prepare_process set.
+    from harness._rank.runner import serve
 
     exit_code = serve(spec, conn)
     sys.stdout.flush()
@@ -51,10 +51,7 @@ def main(spec: object, conn: Connection, stack_requests: Connection) -> None:
     os._exit(exit_code)
 
 
-def _prepare_process(spec: object) -> None:
-    from harness._protocol import WorkerSpec
-
-    assert isinstance(spec, WorkerSpec)
+def _prepare_process(spec: WorkerSpec) -> None:
     if spec.capture_output:
         _redirect_output(output_path(spec.output_dir, spec.rank))
     faulthandler.enable(all_threads=True)
@@ -113,7 +110,3 @@ def _die_with_parent(parent_pid: int) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
-
-
-def pg_timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

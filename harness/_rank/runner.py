@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from multiprocessing.connection import Connection
@@ -9,9 +10,6 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from harness import _rank
-from harness._importer import import_test_module, resolve_qualname
-from harness._isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
 from harness._protocol import (
     BodyReturned,
     Ready,
@@ -21,15 +19,18 @@ from harness._protocol import (
     TestFinished,
     WorkerSpec,
 )
-from harness._worker import pg_timeout
+from harness._rank import context as rank_context
+from harness._rank.importer import import_test_module, resolve_qualname
+from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
 
-# Environment variables a rank reads to know where it runs (see harness.fsdp_api).
-ENV_DEVICE_TYPE = "HARNESS_DEVICE_TYPE"
+
+def pg_timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
 
 
 def serve(spec: WorkerSpec, conn: Connection) -> int:
     device = _init_process_group(spec)
-    baseline = StateBaseline.capture()
+    baseline = StateBaseline.capture(spec.isolated_modules)
     leaks = LeakCheck(device)
     conn.send(Ready(spec.rank, os.getpid()))
     while True:
@@ -46,7 +47,6 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
 
 
 def _init_process_group(spec: WorkerSpec) -> torch.device:
-    os.environ[ENV_DEVICE_TYPE] = spec.device_type
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
         device = torch.device("cuda", spec.rank)
@@ -98,7 +98,7 @@ def run_test(
     baseline.reseed(message.seed)  # the state was restored after the last test
     groups = GroupTracker()
     before = groups.live()
-    context = _rank.RankContext(
+    context = rank_context.RankContext(
         rank=spec.rank,
         world_size=spec.world_size,
         device=device,
@@ -108,11 +108,11 @@ def run_test(
         resume_after=message.resume_after,
         groups=groups,
     )
-    _rank.activate(context)
+    rank_context.activate(context)
     try:
         status, text, exc_type = _call_test(message, baseline)
     finally:
-        _rank.activate(None)
+        rank_context.activate(None)
     subtests_failed, deselected = context.any_subtest_failed, context.deselected
     # On CUDA the body may return with a collective still queued (an NCCL
     # all_reduce does not block the host): the parent learns that the wait
@@ -144,10 +144,10 @@ def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, 
         cls = resolve_qualname(module, message.class_qualname)
         instance = cls.__new__(cls)
         _run_with_setup(instance, message.method_name, message.kwargs)
-    except _rank.SKIP_EXCEPTIONS as exc:
-        return Status.SKIPPED, _rank.skip_reason(exc), type(exc).__name__
+    except rank_context.SKIP_EXCEPTIONS as exc:
+        return Status.SKIPPED, rank_context.skip_reason(exc), type(exc).__name__
     except BaseException as exc:
-        return Status.FAILED, _rank.format_exception(exc), type(exc).__name__
+        return Status.FAILED, rank_context.format_exception(exc), type(exc).__name__
     return Status.PASSED, "", ""
 
 

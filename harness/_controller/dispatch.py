@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from harness._pool import Attempt, Placement, PoolKey, PoolStartError, RankPool
+from harness._controller.pool import PoolStartError, RankPool
+from harness._controller.report import RunInfo, Verdict, compose
 from harness._protocol import RunTest, Status
-from harness._report import RunInfo, Verdict, compose
+from harness._types import Attempt, Placement, PoolKey, PoolSettings
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,8 @@ class TestRequest:
 class PoolManager:
     """One reusable pool per (world size, device type) in this pytest process."""
 
-    def __init__(self, *, capture_output: bool, env: dict[str, str], pg_timeout_s: float) -> None:
-        self._capture_output = capture_output
-        self._env = env
-        self._pg_timeout_s = pg_timeout_s
+    def __init__(self, settings: PoolSettings) -> None:
+        self._settings = settings
         self._pools: dict[PoolKey, RankPool] = {}
         self.pools_started = 0
         self.tests_run = 0
@@ -56,9 +55,7 @@ class PoolManager:
         pool = RankPool(
             request.key,
             request.placement,
-            capture_output=self._capture_output,
-            env=self._env,
-            pg_timeout_s=self._pg_timeout_s,
+            self._settings,
         )
         self.pools_started += 1
         pool.start(request.message.sys_path)
@@ -76,13 +73,6 @@ class PoolManager:
         pool = self._pools.pop(key, None)
         if pool is not None:
             pool.stop()
-
-    def live_pids(self) -> list[int]:
-        return [pid for pool in self._pools.values() for pid in pool.pids]
-
-    def pool_pids(self, key: PoolKey) -> list[int]:
-        pool = self._pools.get(key)
-        return pool.pids if pool is not None else []
 
     def shutdown(self) -> None:
         for key in list(self._pools):

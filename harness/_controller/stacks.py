@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import re
 
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+from harness._frames import HARNESS_DIR
+
 _NOISE = (
     os.sep + "multiprocessing" + os.sep,
     os.sep + "threading.py",
@@ -38,4 +39,4 @@ def _is_noise(line: str) -> bool:
     stripped = line.lstrip()
     if not stripped.startswith("File "):
         return False
-    return _HARNESS_DIR + os.sep in stripped or any(n in stripped for n in _NOISE)
+    return HARNESS_DIR + os.sep in stripped or any(n in stripped for n in _NOISE)

@@ -51,14 +51,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-# Namespaces we own: every attribute except submodules is restored.
-_OWNED_PREFIXES: tuple[str, ...] = (
-    "fsdp",
-    "models",
-    "suites",
-    "harness.fsdp_api",
-    "harness.collectives",
-)
 # Namespaces torch owns: only functions and classes are restored (what a
 # monkeypatch replaces); plain values there are torch's own runtime state.
 _FOREIGN_PREFIXES: tuple[str, ...] = ("torch.distributed",)
@@ -114,13 +106,16 @@ class StateBaseline:
 
     environ: dict[str, str]
     default_dtype: torch.dtype
+    owned_prefixes: tuple[str, ...] = ()
     namespaces: dict[int, _NamespaceSnapshot] = field(default_factory=dict)
     extra_modules: set[str] = field(default_factory=set)
     _modules_seen: int = 0
 
     @classmethod
-    def capture(cls) -> StateBaseline:
-        baseline = cls(dict(os.environ), torch.get_default_dtype())
+    def capture(cls, owned_prefixes: tuple[str, ...]) -> StateBaseline:
+        """``owned_prefixes``: packages whose every module and class attribute is
+        restored (``harness.plugin.isolated_modules``)."""
+        baseline = cls(dict(os.environ), torch.get_default_dtype(), owned_prefixes)
         baseline.track_new_modules()
         return baseline
 
@@ -145,7 +140,7 @@ class StateBaseline:
                 continue
             if id(module) in self.namespaces:
                 continue
-            owned = name in self.extra_modules or _matches(name, _OWNED_PREFIXES)
+            owned = name in self.extra_modules or _matches(name, self.owned_prefixes)
             if not owned and not _matches(name, _FOREIGN_PREFIXES):
                 continue
             self.namespaces[id(module)] = _NamespaceSnapshot.of(module, owned)

@@ -26,26 +26,26 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import NamedTuple
 
 import torch.distributed as dist
 
-from harness import _stacks, _worker
+from harness._controller import stacks
 from harness._protocol import (
     BodyReturned,
     Proceed,
     Ready,
     RunTest,
     Shutdown,
-    Status,
     SubtestFinished,
     SubtestStarted,
     TestFinished,
     WorkerSpec,
 )
+from harness._rank import worker
+from harness._types import Attempt, Placement, PoolKey, PoolSettings, RankResult, SubtestRecord
 
 _START_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 5.0
@@ -53,17 +53,6 @@ _SIGNAL_WAIT_S = 1.5
 _STACK_WAIT_S = 3.0
 _STABLE_POLLS = 4
 _LOOPBACK_ENV = (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
-
-
-class PoolKey(NamedTuple):
-    world_size: int
-    device_type: str
-
-
-class Placement(NamedTuple):
-    device_type: str
-    backend: str
-    cuda_visible_devices: str | None
 
 
 class PoolState(enum.Enum):
@@ -126,7 +115,7 @@ class RankProcess:
             return ""
         before = _size(self.stacks_file)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, _worker.STACK_SIGNAL)
+            os.kill(self.pid, worker.STACK_SIGNAL)
         if not self._await_stack(before, _SIGNAL_WAIT_S):
             with contextlib.suppress(OSError):
                 self.stack_requests.send_bytes(b"dump")
@@ -155,44 +144,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-@dataclass
-class RankResult:
-    rank: int
-    finished: TestFinished | None = None
-    death: str | None = None
-    stopped_stack: str | None = None
-    output: str = ""
-    current_subtest: tuple[int, str] | None = None
-    deselected: int = 0
-    body_returned: Status | None = None
-
-    def deselected_total(self) -> int:
-        return self.finished.deselected if self.finished is not None else self.deselected
-
-
-@dataclass
-class SubtestRecord:
-    index: int
-    config: str
-    finished: dict[int, SubtestFinished] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def any_failed(self) -> bool:
-        return bool(self.notes) or any(f.status.is_failed() for f in self.finished.values())
-
-
-@dataclass
-class Attempt:
-    """What one execution of a test on one pool produced."""
-
-    ranks: dict[int, RankResult]
-    subtests: dict[int, SubtestRecord] = field(default_factory=dict)
-    timed_out: bool = False
-    restart_after: int | None = None
-    pool_broken: bool = False
-    leaks: dict[int, str] = field(default_factory=dict)  # rank -> what it could not release
-
-
 class RankPool:
     """``world_size`` spawned rank processes sharing one process group."""
 
@@ -200,25 +151,15 @@ class RankPool:
         self,
         key: PoolKey,
         placement: Placement,
-        *,
-        capture_output: bool,
-        env: dict[str, str],
-        pg_timeout_s: float,
+        settings: PoolSettings,
     ) -> None:
         self.key = key
         self.placement = placement
         self.state = PoolState.NEW
-        self.tests_run = 0
-        self._capture_output = capture_output
-        self._env = env
-        self._pg_timeout_s = pg_timeout_s
+        self._settings = settings
         self._ranks: list[RankProcess] = []
         self._store: dist.TCPStore | None = None
         self._tmpdir = tempfile.TemporaryDirectory(prefix="harness-pool-")
-
-    @property
-    def pids(self) -> list[int]:
-        return [r.pid for r in self._ranks]
 
     def start(self, sys_path: tuple[str, ...]) -> None:
         port = self._start_store()
@@ -228,7 +169,7 @@ class RankPool:
             stack_reader, stack_writer = ctx.Pipe(duplex=False)
             spec = self._spec(rank, port, sys_path)
             process = ctx.Process(
-                target=_worker.main,
+                target=worker.main,
                 args=(spec, child_conn, stack_reader),
                 name=f"harness-rank{rank}",
                 daemon=True,
@@ -241,8 +182,8 @@ class RankPool:
                     rank,
                     process,
                     parent_conn,
-                    _worker.output_path(self._tmpdir.name, rank),
-                    _worker.stacks_path(self._tmpdir.name, rank),
+                    worker.output_path(self._tmpdir.name, rank),
+                    worker.stacks_path(self._tmpdir.name, rank),
                     stack_writer,
                 )
             )
@@ -266,9 +207,7 @@ class RankPool:
         return port
 
     def _spec(self, rank: int, port: int, sys_path: tuple[str, ...]) -> WorkerSpec:
-        env = dict(_LOOPBACK_ENV)
-        env = {k: os.environ.get(k, v) for k, v in env.items()}
-        env.update(self._env)
+        env = {k: os.environ.get(k, v) for k, v in _LOOPBACK_ENV}
         return WorkerSpec(
             rank=rank,
             world_size=self.key.world_size,
@@ -277,11 +216,12 @@ class RankPool:
             store_port=port,
             cuda_visible_devices=self.placement.cuda_visible_devices,
             output_dir=self._tmpdir.name,
-            capture_output=self._capture_output,
+            capture_output=self._settings.capture_output,
             parent_pid=os.getpid(),
             sys_path=sys_path,
             env=tuple(sorted(env.items())),
-            pg_timeout_s=self._pg_timeout_s,
+            pg_timeout_s=self._settings.pg_timeout_s,
+            isolated_modules=self._settings.isolated_modules,
         )
 
     def _await_ready(self) -> None:
@@ -313,7 +253,6 @@ class RankPool:
 
     def execute(self, request: RunTest, deadline: float, grace_s: float) -> Attempt:
         assert self.state.is_ready(), self.state
-        self.tests_run += 1
         for proc in self._ranks:
             proc.conn.send(request)
         driver = _AttemptDriver(self._ranks, deadline, grace_s)
@@ -486,7 +425,7 @@ class _AttemptDriver:
         record = self.attempt.subtests[index]
         for rank, result in self.attempt.ranks.items():
             if result.stopped_stack is not None and rank not in record.finished:
-                stack = _stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
+                stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
                 record.notes.append(
                     f"rank {rank} was stopped after another rank failed this subtest; "
                     f"it was blocked here:\n{stack}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 import unittest
 from collections.abc import Callable, Mapping, Sequence
@@ -13,8 +12,9 @@ import pytest
 import torch
 
 from harness import subtests
-from harness._isolation import GroupTracker
+from harness._frames import is_harness_file
 from harness._protocol import Proceed, Status, SubtestFinished, SubtestStarted
+from harness._rank.isolation import GroupTracker
 
 
 class SubtestsFailed(AssertionError):
@@ -28,13 +28,10 @@ class SubtestsFailed(AssertionError):
 SKIP_EXCEPTIONS: tuple[type[BaseException], ...] = (unittest.SkipTest, pytest.skip.Exception)
 
 
-_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
 def format_exception(exc: BaseException) -> str:
     """The traceback without the harness's own frames above the test code."""
     tb = exc.__traceback__
-    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HARNESS_DIR:
+    while tb is not None and is_harness_file(tb.tb_frame.f_code.co_filename):
         if tb.tb_next is None:
             break
         tb = tb.tb_next

@@ -1,0 +1,188 @@
+"""A flat parameter's gradient, within one backward and across several.
+
+[Note: Gradients across synced and no_sync backwards]
+Between iterations a flat parameter's gradient is one of two things. After a
+synced backward it is the reduced shard (on the CPU when offloading), which the
+optimizer steps on. After a ``no_sync()`` backward it is the unsharded,
+unreduced local sum, which the next backward keeps accumulating into; a
+reduced shard from before the window is then set aside and added to the result
+of the next synced reduction. So any order of synced and ``no_sync``
+microbatches sums like DDP. Clearing the gradient inside a window (``.grad =
+None``, ``zero_grad(set_to_none=True)``) clears the shard set aside too. A unit
+that no gradient reached in a backward gets back what was set aside.
+
+[Note: The reduce lifecycle]
+Within one backward: ``prepare_for_backward`` sets aside a gradient autograd
+cannot accumulate into; autograd accumulates the unsharded gradient;
+``take_unsharded`` hands it to the runtime, which reduces it (on the reduce
+stream) and calls ``set_reduced`` with the result; at the end of backward
+``finish_backward`` exposes the reduced shard (plus what was set aside) as
+``flat_param.grad``. Each step is checked against ``ReduceState``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fsdp._layout import ShardLayout
+from fsdp._storage import FlatParameter, same_storage
+
+
+class ReduceState(enum.Enum):
+    """Where this backward's gradient is (see [Note: The reduce lifecycle])."""
+
+    IDLE = enum.auto()  # no reduction in this backward (yet)
+    TAKEN = enum.auto()  # the unsharded gradient was handed out for reduction
+    REDUCED = enum.auto()  # the reduced shard waits for the end of backward
+
+
+class SummonedGrad(NamedTuple):
+    """The gathered gradient inside ``summon_full_params(with_grads=True)``:
+    None when no rank has a gradient."""
+
+    unsharded: Tensor | None
+
+
+def assign_grad(tensor: Tensor, grad: Tensor | None) -> None:
+    """Sets ``tensor.grad``, also when the gradient's dtype, shape or device
+    differs (low-precision gradients; an unsharded gradient on the device for a
+    parameter offloaded to the CPU under ``no_sync``): ``.grad`` only accepts a
+    matching tensor, ``.grad.data`` anything."""
+    if grad is None or (
+        grad.dtype == tensor.dtype and grad.shape == tensor.shape and grad.device == tensor.device
+    ):
+        tensor.grad = grad
+        return
+    tensor.grad = None
+    tensor.grad = torch.empty_like(tensor)
+    tensor.grad.data = grad
+
+
+class FlatParamGrads:
+    """The gradient bookkeeping of one flat parameter (see the module notes)."""
+
+    flat_param: FlatParameter
+    shard: ShardLayout
+    offload_params: bool
+    state: ReduceState
+    _saved_shard: Tensor | None  # a reduced gradient from an earlier backward
+    _reduced: Tensor | None  # this backward's reduced shard
+    _summoned: SummonedGrad | None
+
+    def __init__(self, flat_param: FlatParameter, shard: ShardLayout, offload_params: bool) -> None:
+        self.flat_param = flat_param
+        self.shard = shard
+        self.offload_params = offload_params
+        self.state = ReduceState.IDLE
+        self._saved_shard = None
+        self._reduced = None
+        self._summoned = None
+
+    def init_buffers(self, grad_dtype: torch.dtype, device: torch.device) -> None:
+        """With parameter offloading, the CPU buffer the optimizer's gradient lives in."""
+        if not self.offload_params:
+            return
+        cpu_grad = torch.zeros_like(self.flat_param._local_shard, dtype=grad_dtype)
+        self.flat_param._cpu_grad = cpu_grad.pin_memory() if device.type != "cpu" else cpu_grad
+
+    def sharded(self) -> Tensor | None:
+        """The sharded gradient, or None (none yet, or an unsharded one under no_sync)."""
+        grad = self.flat_param.grad
+        if grad is not None and grad.shape == self.flat_param._local_shard.shape:
+            return grad
+        return None
+
+    def unsharded_pending(self) -> Tensor | None:
+        """The unsharded gradient accumulated under no_sync, if any."""
+        grad = self.flat_param.grad
+        return grad if grad is not None and self.sharded() is None else None
+
+    def clear(self) -> None:
+        """The user cleared every gradient (``zero_grad(set_to_none=True)``)."""
+        self.flat_param.grad = None
+        self._saved_shard = None
+
+    # -- one backward -------------------------------------------------------------------
+
+    def prepare_for_backward(self) -> None:
+        """A gradient that autograd cannot accumulate into (sharded, on the CPU,
+        another dtype) is set aside; an unsharded one (``no_sync``) stays."""
+        flat_param = self.flat_param
+        grad = flat_param.grad
+        if grad is None:
+            self._saved_shard = None  # cleared inside a no_sync window: all of it
+            return
+        data = flat_param.data
+        if grad.shape == data.shape and grad.dtype == data.dtype and grad.device == data.device:
+            return
+        assert self._saved_shard is None, "two gradients set aside"
+        self._saved_shard = grad.detach()
+        flat_param.grad = None
+
+    def take_unsharded(self) -> Tensor | None:
+        """Removes the gradient autograd accumulated, for reduction."""
+        assert self.state is ReduceState.IDLE, self.state
+        grad = self.flat_param.grad
+        self.flat_param.grad = None
+        if grad is not None:
+            self.state = ReduceState.TAKEN
+        return grad
+
+    def set_reduced(self, reduced: Tensor, grad_dtype: torch.dtype) -> None:
+        """Takes the reduced shard (on the device, in the reduce dtype), adds what
+        was set aside and casts for the optimizer."""
+        assert self.state is ReduceState.TAKEN, self.state
+        saved, self._saved_shard = self._saved_shard, None
+        if saved is not None:
+            reduced = reduced.to(saved.dtype) + saved.to(reduced.device, non_blocking=True)
+        self._reduced = reduced.to(grad_dtype)
+        self.state = ReduceState.REDUCED
+
+    def finish_backward(self, synced: bool) -> bool:
+        """Exposes the sharded gradient as ``flat_param.grad`` (the CPU copy when
+        offloading). Without gradient sync the unsharded gradient stays exposed
+        and a shard set aside before stays aside. Returns whether a freshly
+        reduced gradient was exposed."""
+        flat_param = self.flat_param
+        grad, self._reduced = self._reduced, None
+        fresh = grad is not None
+        if fresh:
+            self._saved_shard = None
+        elif synced or flat_param.grad is None:
+            grad, self._saved_shard = self._saved_shard, None
+        if grad is not None:
+            if self.offload_params and grad.device.type != "cpu":
+                flat_param._cpu_grad.copy_(grad)
+                grad = flat_param._cpu_grad
+            assign_grad(flat_param, grad)
+        self.state = ReduceState.IDLE
+        return fresh
+
+    # -- summon_full_params(with_grads=True) -----------------------------------------------
+
+    @property
+    def summoned(self) -> SummonedGrad | None:
+        return self._summoned
+
+    def summon(self, unsharded: Tensor | None) -> None:
+        self._summoned = SummonedGrad(unsharded)
+
+    def unsummon(self, writeback: bool) -> None:
+        """Ends a with_grads summon; ``writeback`` copies this rank's part of the
+        (possibly edited) gathered gradient into the sharded gradient."""
+        summoned, self._summoned = self._summoned, None
+        sharded = self.sharded()
+        if (
+            writeback
+            and summoned is not None
+            and summoned.unsharded is not None
+            and sharded is not None
+        ):
+            part = self.shard.own_part(summoned.unsharded)
+            if not same_storage(part, sharded):
+                with torch.no_grad():
+                    sharded[: part.numel()].copy_(part)

@@ -1,0 +1,290 @@
+"""What the module sees under its original parameter names, and how user changes
+to them reach the flat parameter.
+
+[Note: Original parameters (use_orig_params=True)]
+Between iterations each original ``nn.Parameter`` is a 1-D view of its part of
+the local shard (empty on ranks that hold none of it), so optimizers step on the
+shard in place; its ``.grad`` is the matching view of the sharded gradient.
+During forward and backward the module sees plain ``Tensor`` views of the
+unsharded flat parameter (autograd must reach the flat parameter); in forward
+they are also listed in ``_parameters`` so ``named_parameters()`` keeps the
+original names. Before every unshard, changes the user made (``.data``
+assignment, a new Parameter, a new ``.grad``) are written back into the flat
+parameter. Strategies that do not reshard after forward keep forward's views
+until backward; changing a parameter in between is an error.
+
+[Note: No reference to the original parameters without use_orig_params]
+With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
+once flattened: holding them would keep their full-size storage alive next to
+the flat parameter for the life of the model.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor, nn
+
+from fsdp._common import HandleTrainingState
+from fsdp._grads import FlatParamGrads, assign_grad
+from fsdp._layout import FlatParamLayout, ParamInfo, ShardLayout
+from fsdp._placeholder import ShardedParamPlaceholder
+from fsdp._storage import FlatParameter, same_storage
+
+
+class ViewMode(enum.Enum):
+    """What the original parameter names hold now."""
+
+    RESHARDED = enum.auto()  # shard views (use_orig_params) or placeholders / NO_SHARD views
+    UNSHARDED_TENSORS = enum.auto()  # forward and backward: Tensor views of the unsharded data
+    KEPT_FORWARD = enum.auto()  # no-reshard strategies: forward's views, until backward
+    UNSHARDED_PARAMS = enum.auto()  # summon_full_params, state dicts: Parameter views
+
+
+def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    module._parameters[name] = param
+    # The instance dict wins over nn.Module.__getattr__ (and subclass
+    # __setattr__ overrides are bypassed).
+    object.__setattr__(module, name, param)
+
+
+def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+    module._parameters.pop(name, None)
+    object.__setattr__(module, name, tensor)
+
+
+def _check_writeback_shape(tensor: Tensor, expected: torch.Size, is_param: bool) -> None:
+    if tensor.shape != expected:
+        what = "parameter" if is_param else "gradient"
+        raise RuntimeError(
+            f"Cannot writeback when the {what} shape changes\n"
+            f"Expects {expected} but got {tensor.shape}"
+        )
+
+
+class OrigParamViews:
+    """The original parameter names of one flat parameter (see the module notes)."""
+
+    layout: FlatParamLayout
+    shard: ShardLayout
+    use_orig_params: bool
+    params: list[nn.Parameter]  # the original parameters (use_orig_params only)
+    mode: ViewMode
+    _forward_tensors: list[Tensor | None]  # forward's views, reused in backward
+    _kept_home: Tensor | None  # what forward's kept views point into
+    _placeholders: list[ShardedParamPlaceholder]
+    _grad_none: list[bool]  # the user set this original gradient to None
+
+    def __init__(
+        self,
+        layout: FlatParamLayout,
+        shard: ShardLayout,
+        params: tuple[nn.Parameter, ...],
+        use_orig_params: bool,
+    ) -> None:
+        self.layout = layout
+        self.shard = shard
+        self.use_orig_params = use_orig_params
+        self.params = list(params) if use_orig_params else []
+        self.mode = ViewMode.UNSHARDED_PARAMS  # the module's own parameters, until sharded
+        self._forward_tensors = [None] * layout.num_params
+        self._kept_home = None
+        self._placeholders = []
+        self._grad_none = [False] * layout.num_params
+        self.refresh_placeholders(params[0].dtype, params[0].device)
+
+    def refresh_placeholders(self, dtype: torch.dtype, device: torch.device) -> None:
+        if not self.use_orig_params:
+            self._placeholders = [
+                ShardedParamPlaceholder(shape, dtype, device, fqn)
+                for shape, fqn in zip(self.layout.shapes, self.layout.fqns)
+            ]
+
+    # -- the unsharded data ----------------------------------------------------------------
+
+    def show_unsharded(self, flat: Tensor, as_params: bool, phase: HandleTrainingState) -> None:
+        """The names become views of the unsharded flat parameter: ``nn.Parameter``
+        s when ``as_params`` (summon_full_params, state dicts), plain ``Tensor``
+        views otherwise (forward and backward, so autograd reaches ``flat``)."""
+        views = self.layout.views(flat)
+        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            if as_params:
+                self._set_param_view(i, info, view, flat.requires_grad)
+            else:
+                self._set_tensor_view(i, info, view, phase)
+        self._alias_shared()
+        self.mode = ViewMode.UNSHARDED_PARAMS if as_params else ViewMode.UNSHARDED_TENSORS
+
+    def _set_param_view(self, i: int, info: ParamInfo, view: Tensor, requires_grad: bool) -> None:
+        if self.use_orig_params:
+            param = self.params[i]
+            param.data = view
+        else:
+            param = nn.Parameter(view, requires_grad=requires_grad)
+        set_param(info.module, info.param_name, param)
+
+    def _set_tensor_view(
+        self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState
+    ) -> None:
+        if not self.use_orig_params:
+            set_tensor(info.module, info.param_name, view)
+            return
+        tensor = view
+        saved = self._forward_tensors[i]
+        if phase is HandleTrainingState.FORWARD:
+            self._forward_tensors[i] = view
+        elif phase is HandleTrainingState.BACKWARD_PRE and saved is not None:
+            saved.data = view  # keeps forward's autograd graph pointing here
+            tensor = saved
+        # Stays listed (in place, so the order of ``named_parameters()`` is kept):
+        # forward code may look its parameters up by name.
+        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
+        object.__setattr__(info.module, info.param_name, tensor)
+
+    def _alias_shared(self) -> None:
+        for info in self.layout.shared_param_infos:
+            prim = getattr(info.prim_module, info.prim_param_name)
+            if isinstance(prim, nn.Parameter):
+                set_param(info.module, info.param_name, prim)
+            else:
+                set_tensor(info.module, info.param_name, prim)
+
+    def keep_forward_views(self, home: Tensor) -> None:
+        """No-reshard strategies: forward's views stay until backward."""
+        assert self.use_orig_params
+        self._kept_home = home
+        self.mode = ViewMode.KEPT_FORWARD
+
+    # -- between uses -----------------------------------------------------------------------
+
+    def show_resharded(self, local_shard: Tensor) -> None:
+        """``use_orig_params``: each original parameter becomes the view of its part
+        of ``local_shard`` (``NO_SHARD``: of the whole parameter). Otherwise
+        ``NO_SHARD`` shows views of its (never freed) flat parameter and sharded
+        strategies show placeholders (see [Note: Placeholders for sharded
+        parameters] in fsdp._placeholder)."""
+        self._kept_home = None
+        if not self.shard.sharded:
+            self._show_no_shard(local_shard)
+        elif self.use_orig_params:
+            self._show_shard_views(local_shard)
+        else:
+            for info, placeholder in zip(self.layout.param_infos, self._placeholders):
+                set_tensor(info.module, info.param_name, placeholder)
+            self._alias_shared()
+        self.mode = ViewMode.RESHARDED
+
+    def _show_no_shard(self, flat: Tensor) -> None:
+        views = self.layout.views(flat)
+        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            if self.use_orig_params:
+                self._set_param_view(i, info, view, True)
+            else:
+                set_tensor(info.module, info.param_name, view)
+        self._alias_shared()
+
+    def _show_shard_views(self, local_shard: Tensor) -> None:
+        for i, (param, info) in enumerate(zip(self.params, self.layout.param_infos)):
+            part = self.shard.part_of(i, local_shard)
+            param.data = part if part is not None else local_shard.new_empty(0)
+            set_param(info.module, info.param_name, param)
+        self._alias_shared()
+
+    def release(self) -> None:
+        """Removes every original name from its module (around ``module._apply``)."""
+        for info in (*self.layout.param_infos, *self.layout.shared_param_infos):
+            info.module._parameters.pop(info.param_name, None)
+            info.module.__dict__.pop(info.param_name, None)
+
+    def end_iteration(self) -> None:
+        self._forward_tensors = [None] * self.layout.num_params
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def show_sharded_grads(self, grad: Tensor | None) -> None:
+        """Each original gradient becomes the view of its part of the sharded
+        gradient, except where the user set it to None since the last backward
+        (another optimizer's ``zero_grad(set_to_none=True)``)."""
+        for i, param in enumerate(self.params):
+            exposed = grad is not None and param.requires_grad and not self._grad_none[i]
+            assign_grad(param, self.shard.part_of(i, grad) if exposed else None)  # type: ignore[arg-type]
+
+    def show_unsharded_grads(self, grad: Tensor | None) -> None:
+        """Unsharded gradient views (no_sync, summon_full_params(with_grads))."""
+        views = self.layout.views(grad) if grad is not None else None
+        for i, param in enumerate(self.params):
+            exposed = views is not None and param.requires_grad
+            assign_grad(param, views[i] if exposed else None)  # type: ignore[index]
+
+    def fresh_grads(self) -> None:
+        """A newly reduced gradient covers every parameter again."""
+        self._grad_none = [False] * self.layout.num_params
+
+    def all_grads_cleared(self) -> bool:
+        return all(p.grad is None for p in self.params if p.requires_grad)
+
+    # -- writeback -------------------------------------------------------------------------------
+
+    def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> bool:
+        """Copies user changes of original parameters (``.data`` or a new
+        Parameter) and of their gradients into the flat parameter's shard and
+        gradient; returns whether anything was written."""
+        wrote = False
+        for i, info in enumerate(self.layout.param_infos):
+            if self.shard.param_range(i) is None or not hasattr(info.module, info.param_name):
+                continue
+            wrote |= self._writeback_param(i, info, flat_param)
+            if self.mode is not ViewMode.KEPT_FORWARD:
+                wrote |= self._writeback_grad(i, flat_param, grads)
+        return wrote
+
+    def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
+        current = getattr(info.module, info.param_name)
+        kept = self.mode is ViewMode.KEPT_FORWARD
+        expected = self._forward_tensors[i] if kept else self.params[i]
+        home = self._kept_home if kept else flat_param
+        changed_variable = current is not expected
+        if not changed_variable and home is not None and same_storage(current, home):
+            return False
+        if kept:
+            raise AssertionError(
+                "FSDP does not support changing the parameters between forward and backward "
+                "for strategies that do not reshard after forward"
+            )
+        if changed_variable:
+            self.params[i] = current
+        found = self.shard.param_range(i)
+        assert found is not None
+        start, numel = found
+        source = current if self.shard.sharded else current.reshape(-1)
+        _check_writeback_shape(source, torch.Size([numel]), is_param=True)
+        with torch.no_grad():
+            flat_param._local_shard[start : start + numel].copy_(source.reshape(-1))
+        return True
+
+    def _writeback_grad(self, i: int, flat_param: FlatParameter, grads: FlatParamGrads) -> bool:
+        param = self.params[i]
+        flat_grad = flat_param.grad
+        if flat_grad is not None and param.grad is not None and same_storage(param.grad, flat_grad):
+            return False
+        if flat_grad is not None and grads.sharded() is None:
+            return False  # an unsharded gradient accumulating under no_sync
+        found = self.shard.param_range(i)
+        assert found is not None
+        start, numel = found
+        if param.grad is None:
+            if flat_grad is None or not param.requires_grad or self._grad_none[i]:
+                return False
+            flat_grad[start : start + numel].zero_()  # the user dropped this gradient
+            self._grad_none[i] = True
+            return True
+        self._grad_none[i] = False
+        source = param.grad if self.shard.sharded else param.grad.reshape(-1)
+        _check_writeback_shape(source, torch.Size([numel]), is_param=False)
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(flat_param._local_shard, dtype=param.grad.dtype)
+            assign_grad(flat_param, flat_grad)
+        with torch.no_grad():
+            flat_grad[start : start + numel].copy_(param.grad.reshape(-1))
+        return True
