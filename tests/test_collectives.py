@@ -116,7 +116,7 @@ class TestSeedDtypeCheckSeesOurReduceScatter(FSDPTest):
         run()  # the right path passes the check
 
         def param_dtype_instead(handle: FlatParamHandle) -> torch.dtype:
-            return handle._mp_param_dtype or handle._orig_param_dtype
+            return handle._fwd_bwd_param_dtype
 
         with mock.patch.object(FlatParamHandle, "reduce_dtype", param_dtype_instead):
             with self.assertRaisesRegex(

@@ -48,17 +48,23 @@ FROZEN_PREFIX = "layers.0.attn has both parameters with requires_grad=True and F
 IGNORE_FROZEN_WARNING = "ignore:.*has both parameters with requires_grad=True and False:UserWarning"
 
 
+class _FakeState:
+    """What the registry maps a unit to (the unit owns it, the registry refers to it weakly)."""
+
+
 class FakeFSDP(nn.Module):
     """Stands in for the wrapper class: holds the module and records its kwargs."""
 
     module: nn.Module
     kwargs: Kwargs
+    state: _FakeState
 
     def __init__(self, module: nn.Module, **kwargs: Any) -> None:
         super().__init__()
         self.module = module
         self.kwargs = kwargs
-        _registry.register(self, object())
+        self.state = _FakeState()
+        _registry.register(self, self.state)
 
 
 class Recorder:
