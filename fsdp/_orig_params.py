@@ -13,6 +13,14 @@ assignment, a new Parameter, a new ``.grad``) are written back into the flat
 parameter. Strategies that do not reshard after forward keep forward's views
 until backward; changing a parameter in between is an error.
 
+[Note: Setting the original names]
+By default the names are set with ``delattr`` and ``setattr``, through
+``nn.Module``'s checks and any ``__setattr__`` override of the module's class,
+as torch's FSDP does. ``FSDP_USE_UNSAFE_SETATTR=1`` (read when a unit is built)
+writes the module's dicts directly instead, bypassing overrides. Forward's views
+with ``use_orig_params`` are always written in place in ``_parameters`` (the
+order of ``named_parameters()`` is kept).
+
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
 once flattened: holding them would keep their full-size storage alive next to
@@ -42,16 +50,29 @@ class ViewMode(enum.Enum):
     UNSHARDED_PARAMS = enum.auto()  # summon_full_params, state dicts: Parameter views
 
 
-def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
+    """See [Note: Setting the original names]."""
+    if safe:
+        _safe_setattr(module, name, param)
+        return
     module._parameters[name] = param
     # The instance dict wins over nn.Module.__getattr__ (and subclass
     # __setattr__ overrides are bypassed).
     object.__setattr__(module, name, param)
 
 
-def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None:
+    if safe:
+        _safe_setattr(module, name, tensor)
+        return
     module._parameters.pop(name, None)
     object.__setattr__(module, name, tensor)
+
+
+def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, value)
 
 
 def _check_writeback_shape(tensor: Tensor, expected: torch.Size, is_param: bool) -> None:
@@ -69,6 +90,7 @@ class OrigParamViews:
     layout: FlatParamLayout
     shard: ShardLayout
     use_orig_params: bool
+    safe_setattr: bool  # see [Note: Setting the original names]
     params: list[nn.Parameter]  # the original parameters (use_orig_params only)
     mode: ViewMode
     _forward_tensors: list[Tensor | None]  # forward's views, reused in backward
@@ -82,10 +104,12 @@ class OrigParamViews:
         shard: ShardLayout,
         params: tuple[nn.Parameter, ...],
         use_orig_params: bool,
+        safe_setattr: bool,
     ) -> None:
         self.layout = layout
         self.shard = shard
         self.use_orig_params = use_orig_params
+        self.safe_setattr = safe_setattr
         self.params = list(params) if use_orig_params else []
         self.mode = ViewMode.UNSHARDED_PARAMS  # the module's own parameters, until sharded
         self._forward_tensors = [None] * layout.num_params
@@ -122,13 +146,13 @@ class OrigParamViews:
             param.data = view
         else:
             param = nn.Parameter(view, requires_grad=requires_grad)
-        set_param(info.module, info.param_name, param)
+        set_param(info.module, info.param_name, param, self.safe_setattr)
 
     def _set_tensor_view(
         self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState
     ) -> None:
         if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, view)
+            set_tensor(info.module, info.param_name, view, self.safe_setattr)
             return
         tensor = view
         saved = self._forward_tensors[i]
@@ -146,9 +170,9 @@ class OrigParamViews:
         for info in self.layout.shared_param_infos:
             prim = getattr(info.prim_module, info.prim_param_name)
             if isinstance(prim, nn.Parameter):
-                set_param(info.module, info.param_name, prim)
+                set_param(info.module, info.param_name, prim, self.safe_setattr)
             else:
-                set_tensor(info.module, info.param_name, prim)
+                set_tensor(info.module, info.param_name, prim, self.safe_setattr)
 
     def keep_forward_views(self, home: Tensor) -> None:
         """No-reshard strategies: forward's views stay until backward."""
@@ -171,7 +195,7 @@ class OrigParamViews:
             self._show_shard_views(local_shard)
         else:
             for info, placeholder in zip(self.layout.param_infos, self._placeholders):
-                set_tensor(info.module, info.param_name, placeholder)
+                set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
@@ -181,14 +205,14 @@ class OrigParamViews:
             if self.use_orig_params:
                 self._set_param_view(i, info, view, True)
             else:
-                set_tensor(info.module, info.param_name, view)
+                set_tensor(info.module, info.param_name, view, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, local_shard: Tensor) -> None:
         for i, (param, info) in enumerate(zip(self.params, self.layout.param_infos)):
             part = self.shard.part_of(i, local_shard)
             param.data = part if part is not None else local_shard.new_empty(0)
-            set_param(info.module, info.param_name, param)
+            set_param(info.module, info.param_name, param, self.safe_setattr)
         self._alias_shared()
 
     def release(self) -> None:

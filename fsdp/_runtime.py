@@ -71,6 +71,10 @@ from fsdp.api import (
     StateDictType,
 )
 
+# The attributes every unit of one tree must agree on (torch's names; the
+# process group is not one of them, for hybrid sharding and MoE).
+HOMOGENEOUS_ATTR_NAMES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
+
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Runs ``fn`` eagerly under ``torch.compile`` (see [Note: FSDP under torch.compile])."""
@@ -89,6 +93,10 @@ class UnitConfig:
     limit_all_gathers: bool
     use_orig_params: bool
     env: EnvSwitches
+
+    def homogeneous_values(self) -> tuple[bool, bool, bool]:
+        """The values of ``HOMOGENEOUS_ATTR_NAMES``, in that order."""
+        return (self.use_orig_params, self.limit_all_gathers, self.env.use_full_prec_in_eval)
 
     @property
     def keeps_unsharded_after_forward(self) -> bool:
@@ -237,6 +245,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         states = self.subtree_states()
+        _check_homogeneous(states)
         streams = CommStreams(self.compute_device, self.config.limit_all_gathers)
         context = RootContext(self, states, streams)
         for state in states:
@@ -256,6 +265,7 @@ class FSDPState:
         if handle is not None:
             self._check_flat_param_device(handle)
             handle.lazy_init()
+            handle.find_optimizers_in_backward()
         for module, name in self.buffers:
             buffer = module._buffers[name]
             if buffer is not None:
@@ -306,6 +316,8 @@ class FSDPState:
             context.streams.unshard_waits_for_compute()
             for state in context.states:
                 state._cast_buffers()
+                if state.handle is not None:
+                    state.handle.sync_requires_grad()
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
@@ -330,6 +342,7 @@ class FSDPState:
             handle._use_unsharded_views(as_params=False)
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
+                self._register_post_backward_reshard_only_hook(handle, args, kwargs)
             if self.config.forward_prefetch:
                 self._prefetch(self.root.exec_order.forward_next(handle), in_backward=False)
         return args, kwargs
@@ -370,6 +383,20 @@ class FSDPState:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
         (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
         handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+
+    def _register_post_backward_reshard_only_hook(
+        self, handle: FlatParamHandle, args: Any, kwargs: Any
+    ) -> None:
+        """A unit whose flat parameter needs no gradient has no post-backward
+        hook: it reshards once the gradients of its inputs are computed (all
+        gradients that need its parameters are then done). Inputs that need no
+        gradient leave it to the end of backward."""
+        if handle.flat_param.requires_grad:
+            return
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        inputs = [t for t in inputs if t.requires_grad]
+        if inputs:
+            handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
 
     # -- backward ------------------------------------------------------------------------
 
@@ -412,10 +439,29 @@ class FSDPState:
             if not self.sync_gradients:
                 handle.keep_unsharded_grad()
                 return
-            self.reshard(handle, free=True)
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch(self.root.exec_order.backward_next(handle), in_backward=True)
+            self._post_backward_reshard(handle)
             self._reduce_grad(handle)
+
+    def _make_reshard_only_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
+        def hook() -> None:
+            self._post_backward_reshard_only(handle)
+
+        return hook
+
+    @_eager
+    def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
+        with record_function("FSDP::post_backward_reshard_only"):
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle.end_backward()
+            self._post_backward_reshard(handle)
+
+    def _post_backward_reshard(self, handle: FlatParamHandle) -> None:
+        """Reshards after the unit's backward and prefetches (``BACKWARD_POST``).
+        Runs once per unit and backward, from its post-backward hook or its
+        reshard-only hook, never from the end of backward: tests count it."""
+        self.reshard(handle, free=True)
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self.root.exec_order.backward_next(handle), in_backward=True)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
         grad = handle.take_unsharded_grad()
@@ -430,6 +476,8 @@ class FSDPState:
             if post > 1:
                 reduced.div_(post)
             handle.set_reduced_grad(reduced)
+            if handle.has_optim_in_backward:
+                handle.step_optimizers_in_backward()
 
     def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
         """Sums the gradient over the shard group (reduce-scatter, or all-reduce
@@ -589,6 +637,14 @@ class FSDPState:
             raise ValueError(
                 f"expected to be in states {states} but current state is {self.training_state}"
             )
+
+
+def _check_homogeneous(states: list[FSDPState]) -> None:
+    """Torch's check at lazy initialisation, with its message."""
+    for i, name in enumerate(HOMOGENEOUS_ATTR_NAMES):
+        values = {state.config.homogeneous_values()[i] for state in states}
+        if len(values) != 1:
+            raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
 
 
 def _needs_grad(output: Any) -> bool:

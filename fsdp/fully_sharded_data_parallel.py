@@ -169,6 +169,18 @@ class FullyShardedDataParallel(nn.Module):
         return self._state.config.use_orig_params
 
     @property
+    def limit_all_gathers(self) -> bool:
+        return self._state.config.limit_all_gathers
+
+    @property
+    def _use_full_prec_in_eval(self) -> bool:
+        return self._state.config.env.use_full_prec_in_eval
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._state.compute_device
+
+    @property
     def _is_root(self) -> bool | None:
         return self._state.is_root
 

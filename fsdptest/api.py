@@ -59,12 +59,18 @@ if IMPL == "torch":
     from torch.distributed.fsdp._flat_param import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
+        _FSDP_USE_UNSAFE_SETATTR,
         FlatParameter,
         FlatParamHandle,
         FlatParamShardMetadata,
         HandleShardingStrategy,
     )
-    from torch.distributed.fsdp._init_utils import NO_RESHARD_AFTER_FORWARD_STRATEGIES
+    from torch.distributed.fsdp._init_utils import (
+        HYBRID_SHARDING_STRATEGIES,
+        NO_RESHARD_AFTER_FORWARD_STRATEGIES,
+        _init_intra_and_inter_node_groups,
+    )
+    from torch.distributed.fsdp._runtime_utils import HOMOGENEOUS_ATTR_NAMES
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.fsdp.wrap import (
@@ -129,6 +135,8 @@ else:
     from fsdp._common import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
+        _FSDP_USE_UNSAFE_SETATTR,
+        HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         clean_tensor_name,
     )
@@ -139,6 +147,8 @@ else:
         FlatParamShardMetadata,
         HandleShardingStrategy,
     )
+    from fsdp._init import _init_intra_and_inter_node_groups
+    from fsdp._runtime import HOMOGENEOUS_ATTR_NAMES
     from fsdp.sharded_grad_scaler import ShardedGradScaler
     from fsdp.wrap import (
         CustomPolicy,
@@ -167,11 +177,14 @@ FSDP = FullyShardedDataParallel
 __all__ = [
     "FSDP",
     "FULLY_SHARD_MISSING",
+    "HOMOGENEOUS_ATTR_NAMES",
+    "HYBRID_SHARDING_STRATEGIES",
     "IMPL",
     "NO_RESHARD_AFTER_FORWARD_STRATEGIES",
     "SEAMS",
     "_FSDP_SKIP_WRITEBACK_CHECK",
     "_FSDP_USE_FULL_PREC_IN_EVAL",
+    "_FSDP_USE_UNSAFE_SETATTR",
     "BackwardPrefetch",
     "CPUOffload",
     "CustomPolicy",
@@ -189,6 +202,7 @@ __all__ = [
     "ShardingStrategy",
     "StateDictType",
     "_Policy",
+    "_init_intra_and_inter_node_groups",
     "_or_policy",
     "_validate_frozen_params",
     "_wrap_module_cls_individually",
