@@ -41,6 +41,7 @@ class Seams:
     register_pre_backward_hooks: str
     register_post_backward_hook: str
     reshard: str
+    post_backward_reshard: str  # once per unit and backward, from its post-backward hooks
 
 
 if IMPL == "torch":
@@ -119,6 +120,7 @@ if IMPL == "torch":
         register_pre_backward_hooks="torch.distributed.fsdp._runtime_utils._register_pre_backward_hooks",
         register_post_backward_hook="torch.distributed.fsdp._runtime_utils._register_post_backward_hook",
         reshard="torch.distributed.fsdp._runtime_utils._reshard",
+        post_backward_reshard="torch.distributed.fsdp._runtime_utils._post_backward_reshard",
     )
 else:
     from fsdp import (
@@ -170,6 +172,7 @@ else:
         register_pre_backward_hooks="fsdp._runtime.FSDPState._register_pre_backward_hooks",
         register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
         reshard="fsdp._flat_param.FlatParamHandle.reshard",
+        post_backward_reshard="fsdp._runtime.FSDPState._post_backward_reshard",
     )
 
 FSDP = FullyShardedDataParallel
