@@ -73,6 +73,7 @@ if IMPL == "torch":
     )
     from torch.distributed.fsdp._runtime_utils import HOMOGENEOUS_ATTR_NAMES
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.fsdp.wrap import (
         CustomPolicy,
@@ -138,6 +139,7 @@ else:
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
         _FSDP_USE_UNSAFE_SETATTR,
+        FLAT_PARAM,
         HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         clean_tensor_name,
@@ -178,6 +180,7 @@ else:
 FSDP = FullyShardedDataParallel
 
 __all__ = [
+    "FLAT_PARAM",
     "FSDP",
     "FULLY_SHARD_MISSING",
     "HOMOGENEOUS_ATTR_NAMES",
