@@ -133,3 +133,14 @@ class TestFinished:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Probe:
+    """After a test that did not pass cleanly: is the default group still in step?"""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    rank: int
+    ok: bool

@@ -29,6 +29,8 @@ plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey[PoolManager]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
+_deferred_timer_key = pytest.StashKey[object]()
+_STARTING = object()  # the deferred timer is being handed to pytest-timeout
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -85,6 +87,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "outcome before they are stopped (with their stacks). Default: 2.",
     )
     group.addoption(
+        "--check-collectives",
+        action="store_true",
+        default=False,
+        help="run distributed tests in pools started with TORCH_DISTRIBUTED_DEBUG=DETAIL: "
+        "torch compares each collective (op, shapes, dtypes) across ranks before running "
+        "it, so a mismatch fails at once, naming every rank's call, instead of hanging "
+        "until the deadline. Slower per collective; the check_collectives marker does "
+        "this for one test.",
+    )
+    group.addoption(
         "--fresh-pool",
         action="store_true",
         default=False,
@@ -95,6 +107,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "fresh_pool: run this distributed test in a fresh pool of ranks of its own",
+        "check_collectives: check every collective across ranks (see --check-collectives)",
         "dist_timeout(seconds): per-test deadline for a distributed test",
         "requires_gpu(reason): skip unless the ranks run on CUDA",
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
@@ -204,7 +217,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not is_distributed(pyfuncitem):
         return None
     request = _request(pyfuncitem)
-    verdict = run(pyfuncitem.config.stash[manager_key], request)
+    verdict = run(
+        pyfuncitem.config.stash[manager_key], request, lambda: _start_deferred_timer(pyfuncitem)
+    )
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
     for text in verdict.warnings:
@@ -216,6 +231,24 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.status is Status.SKIPPED:
         raise pytest.skip.Exception(verdict.text, _use_item_location=True)
     return True
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's timer of a distributed test starts once its pool is ready
+    (see [Note: What a test's deadline counts]); other tests are left to it."""
+    if not is_distributed(item) or item.stash.get(_deferred_timer_key, None) is _STARTING:
+        return None
+    item.stash[_deferred_timer_key] = settings
+    return True
+
+
+def _start_deferred_timer(item: pytest.Item) -> None:
+    settings = item.stash.get(_deferred_timer_key, None)
+    if settings is None or settings is _STARTING:
+        return
+    item.stash[_deferred_timer_key] = _STARTING
+    item.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 def _request(item: pytest.Function) -> TestRequest:
@@ -237,7 +270,7 @@ def _request(item: pytest.Function) -> TestRequest:
         resume_after=-1,
     )
     return TestRequest(
-        key=PoolKey(world_size, placement.device_type),
+        key=PoolKey(world_size, placement.device_type, _checks_collectives(item)),
         placement=placement,
         message=message,
         fresh_pool=config.getoption("fresh_pool")
@@ -245,6 +278,18 @@ def _request(item: pytest.Function) -> TestRequest:
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
         wall_limit_s=_wall_limit_s(item),
+    )
+
+
+def _checks_collectives(item: pytest.Item) -> bool:
+    """[Note: Checking collectives]
+    With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps every process group in a
+    checker that, before each collective, compares its op, shapes and dtypes
+    across ranks over a side group and raises on every rank at the first
+    mismatch. The variable must be set before the process group exists, so such
+    tests run in pools of their own (the pool key says so)."""
+    return bool(item.config.getoption("check_collectives")) or (
+        item.get_closest_marker("check_collectives") is not None
     )
 
 

@@ -36,11 +36,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
 )
 
 # Function-level imports of project modules, and why each is not at the top.
-LATE_IMPORTS: dict[tuple[str, str], str] = {
-    ("harness._rank.worker", "harness._rank.runner"): (
-        "the runner imports torch, which must start after the worker set the environment"
-    ),
-}
+LATE_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 class Import(NamedTuple):

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from harness._protocol import (
     BodyReturned,
+    Probe,
+    ProbeResult,
     Ready,
     RunTest,
     Shutdown,
@@ -36,17 +38,39 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
-            return 0
+        except (EOFError, OSError):
+            return 0  # the pytest process went away: nothing left to report to
         if isinstance(message, Shutdown):
             _shutdown_process_group()
             return 0
+        if isinstance(message, Probe):
+            conn.send(ProbeResult(spec.rank, _probe_default_group(device)))
+            continue
         assert isinstance(message, RunTest), message
         outcome = run_test(message, spec, device, conn, baseline, leaks)
         conn.send(outcome)
 
 
+_PROBE_WAIT = datetime.timedelta(seconds=5)
+
+
+def _probe_default_group(device: torch.device) -> bool:
+    """Every rank all-reduces its rank + 1: in step, each gets the same known sum."""
+    world_size = dist.get_world_size()
+    value = torch.full((1,), float(dist.get_rank() + 1), device=device)
+    try:
+        dist.all_reduce(value, async_op=True).wait(timeout=_PROBE_WAIT)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return value.item() == world_size * (world_size + 1) / 2
+
+
 def _init_process_group(spec: WorkerSpec) -> torch.device:
+    # torch was imported (unpickling this process's target imports the harness)
+    # before the worker applied spec.env: TORCH_DISTRIBUTED_DEBUG is read again.
+    dist.set_debug_level_from_env()
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
         device = torch.device("cuda", spec.rank)
