@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.profiler import record_function
+
+from fsdp._common import profiler_label
 
 
 def _newest(*names: str) -> Any:
@@ -29,25 +30,25 @@ def _newest(*names: str) -> Any:
 
 def all_gather(output: Tensor, input: Tensor, group: Any) -> None:
     """Gathers every rank's ``input`` into ``output`` (rank order)."""
-    with record_function("FSDP::all_gather"):
+    with profiler_label("FSDP::all_gather"):
         _newest("all_gather_single", "all_gather_into_tensor")(output, input, group=group)
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Any) -> None:
     """Sums ``input`` over ranks; rank r receives chunk r in ``output``."""
-    with record_function("FSDP::reduce_scatter"):
+    with profiler_label("FSDP::reduce_scatter"):
         _newest("reduce_scatter_single", "reduce_scatter_tensor")(
             output, input, op=dist.ReduceOp.SUM, group=group
         )
 
 
 def all_reduce(tensor: Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> None:
-    with record_function("FSDP::all_reduce"):
+    with profiler_label("FSDP::all_reduce"):
         dist.all_reduce(tensor, op=op, group=group)
 
 
 def broadcast(tensor: Tensor, src: int, group: Any) -> None:
-    with record_function("FSDP::broadcast"):
+    with profiler_label("FSDP::broadcast"):
         dist.broadcast(tensor, src=src, group=group)
 
 

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp import _comm, _registry
@@ -54,6 +53,7 @@ from fsdp._common import (
     EnvSwitches,
     ProcessGroups,
     TrainingState,
+    profiler_label,
 )
 from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
@@ -301,7 +301,7 @@ class FSDPState:
         self.lazy_init()
         if not self.is_root:
             return args, kwargs
-        with record_function("FSDP::root_pre_forward"):
+        with profiler_label("FSDP::root_pre_forward"):
             context = self.root
             context.streams.unshard_waits_for_compute()
             for state in context.states:
@@ -321,7 +321,7 @@ class FSDPState:
         handle = self.handle
         if handle is None or handle.recomputing_in_backward():
             return args, kwargs
-        with record_function("FSDP::pre_forward"):
+        with profiler_label("FSDP::pre_forward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             handle.begin_forward(self.full_precision_now())
             self.root.exec_order.record(handle)
@@ -342,7 +342,7 @@ class FSDPState:
         handle = self.handle
         if handle is not None and handle.recomputing_in_backward():
             return output
-        with record_function("FSDP::post_forward"):
+        with profiler_label("FSDP::post_forward"):
             if handle is not None:
                 keeps = self.config.keeps_unsharded_after_forward
                 # NO_SHARD has nothing to free; the root's backward starts right away.
@@ -388,7 +388,7 @@ class FSDPState:
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
         if handle is None or not handle.begin_backward():
             return
-        with record_function("FSDP::pre_backward"):
+        with profiler_label("FSDP::pre_backward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             self.unshard(handle)
             self.wait_for_unshard(handle)
@@ -405,7 +405,7 @@ class FSDPState:
 
     @_eager
     def _post_backward(self, handle: FlatParamHandle) -> None:
-        with record_function("FSDP::post_backward"):
+        with profiler_label("FSDP::post_backward"):
             handle.end_backward()
             if handle.flat_param.grad is None:
                 return
@@ -462,7 +462,7 @@ class FSDPState:
     @_eager
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback."""
-        with record_function("FSDP::post_backward_final_callback"):
+        with profiler_label("FSDP::post_backward_final_callback"):
             context = self.root
             for state in context.states:
                 state._post_backward_if_missed()
@@ -508,7 +508,7 @@ class FSDPState:
                 handle.finish_unshard(ready)
             return
         streams = self.root.streams
-        with streams.on_unshard(), record_function("FSDP::unshard"):
+        with streams.on_unshard(), profiler_label("FSDP::unshard"):
             unsharded = handle.unshard_input()
             if handle.uses_sharded_strategy:
                 buffer = handle.unsharded_buffer()
@@ -565,7 +565,7 @@ class FSDPState:
             return
         state = self.root.state_of(target)
         target.set_force_full_precision(state.full_precision_now())
-        with record_function("FSDP::prefetch"):
+        with profiler_label("FSDP::prefetch"):
             state.unshard(target, prefetch=True)
 
     # -- the flat parameter as a registered parameter of the wrapper --------------------

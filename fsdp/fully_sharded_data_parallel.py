@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 
 from fsdp._clip_grad import clip_grad_norm
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState, profiler_label
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
@@ -207,7 +206,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
-        with record_function("FullyShardedDataParallel.forward"):
+        with profiler_label("FullyShardedDataParallel.forward"):
             args, kwargs = state.root_pre_forward(args, kwargs)
             args, kwargs = state.pre_forward(args, kwargs)
             output = self._fsdp_wrapped_module(*args, **kwargs)
