@@ -58,8 +58,10 @@ rank's shard of it; 0-dim and non-tensor states must be present and equal for
 every original (Adam's "step" cannot be made up for one that has none).
 ``use_orig_params=True``: each original parameter gets the part of its
 flattened state that this rank's shard holds, or nothing when it holds no
-elements. Sharded values are gathered first (rows over the unit's group).
-Parameters outside every unit keep their state. Finally keys become the local
+elements. Sharded values are gathered first, over the group they are chunked
+over (so a sharded dict also loads into another wrapping, for parameters that
+are outside every unit there too). Parameters outside every unit keep their
+state. Finally keys become the local
 optimizer's IDs and each saved group's "params" the sorted IDs of its FQNs; a
 saved group's hyperparameters are kept.
 
@@ -184,8 +186,9 @@ class SaveForm(NamedTuple):
 
 class UnitLayout:
     """One unit's flat parameter as optimizer state sees it: the global FQNs of
-    its original parameters (flat order) and where each lies in the flat
-    parameter and in every rank's shard (see [Note: Flat parameter layout])."""
+    its original parameters (flat order), where each lies in the flat parameter
+    and in this rank's shard (see [Note: Flat parameter layout]), and the
+    collectives over the unit's group that move its states."""
 
     state: FSDPState
     handle: FlatParamHandle
@@ -693,9 +696,9 @@ class _Saver:
         )
         if any(missing):
             lines = [
-                f"\nRank {rank} is missing states for the parameters: {[k.fqns for k in keys]}"
-                for rank, keys in enumerate(missing)
-                if keys
+                f"\nRank {rank} is missing states for the parameters: {[k.fqns for k in lacking]}"
+                for rank, lacking in enumerate(missing)
+                if lacking
             ]
             raise RuntimeError(_MISSING_STATES + "".join(lines))
         return keys
