@@ -95,7 +95,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp import _comm
 from fsdp._common import clean_tensor_name
-from fsdp._flat_param import FlatParamHandle
+from fsdp._flat_param import FlatParamHandle, _Layout
 from fsdp._runtime import FSDPState
 from fsdp._state_dict import _row_shard
 from fsdp._unshard_params import ensure_initialized, states_in
@@ -225,11 +225,17 @@ class UnitLayout:
     def index(self, fqn: str) -> int:
         return self._index[fqn]
 
+    @property
+    def _flat(self) -> _Layout:
+        """The handle's layout (offsets, numels, shapes, total_numel): the one place
+        this module reads it."""
+        return self.handle._layout
+
     # -- the flat layout -------------------------------------------------------------
 
     def unflatten(self, flat: Tensor) -> list[Tensor]:
         """Views of the original parameters' shapes into an unpadded flat tensor."""
-        layout = self.handle._layout
+        layout = self._flat
         return [
             flat[offset : offset + numel].view(shape)
             for offset, numel, shape in zip(layout.offsets, layout.numels, layout.shapes)
@@ -237,7 +243,7 @@ class UnitLayout:
 
     def flatten(self, tensors: list[Tensor | None], dtype: torch.dtype) -> Tensor:
         """The unpadded flat tensor of per-parameter tensors (zeros for None)."""
-        layout = self.handle._layout
+        layout = self._flat
         device = next(t.device for t in tensors if t is not None)
         flat = torch.zeros(layout.total_numel, dtype=dtype, device=device)
         for tensor, offset, numel in zip(tensors, layout.offsets, layout.numels):
@@ -434,7 +440,7 @@ class UnitLayout:
                 f"positive-dimension tensor state with the same dtype but got dtypes {dtypes} "
                 f"for state {name} and unflattened parameter names {list(self.fqns)}"
             )
-        for value, shape in zip(values, self.handle._layout.shapes):
+        for value, shape in zip(values, self._flat.shapes):
             if value is None and len(shape) == 0:
                 raise ValueError("Flattening a zero-dimension parameter is not supported")
             if value is not None and value.shape != shape:

@@ -274,6 +274,11 @@ def _state_values(osd: OSD) -> Iterator[Any]:
         yield from state.values()
 
 
+def _optim_input_values(state_dict_type: StateDictType) -> list[bool]:
+    """The sharded APIs take no ``optim_input``."""
+    return [False] if state_dict_type == StateDictType.SHARDED_STATE_DICT else [False, True]
+
+
 def _torch_aliases_orig_param_states(
     device: torch.device, use_orig_params: bool, settings: StateDictSettings, group_size: int
 ) -> bool:
@@ -978,14 +983,7 @@ class TestFSDPOptimState(FSDPTest):
         """A parameter without saved state inside a unit is an error (its unit's
         other parameters have Adam's scalar "step", it has none); one outside every
         unit is left out of the flattened dict (model parallelism)."""
-        use_optim_input = (
-            [False]
-            if state_dict_type == StateDictType.SHARDED_STATE_DICT
-            else [
-                False,
-                True,
-            ]
-        )
+        use_optim_input = _optim_input_values(state_dict_type)
         self.run_subtests(
             {"use_optim_input": use_optim_input},
             self._test_shard_full_optim_state_dict_unmanaged_params,
@@ -1041,14 +1039,7 @@ class TestFSDPOptimState(FSDPTest):
     ) -> None:
         """A wrapped model's dict rekeyed to IDs for the unwrapped model is that
         model's optimizer state dict."""
-        use_optim_input = (
-            [False]
-            if state_dict_type == StateDictType.SHARDED_STATE_DICT
-            else [
-                False,
-                True,
-            ]
-        )
+        use_optim_input = _optim_input_values(state_dict_type)
         self.run_subtests(
             {"use_optim_input": use_optim_input},
             self._test_rekey_optim_state_dict_to_ids,
