@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState, profiler_label
 from fsdp._flat_param import FlatParameter, FlatParamHandle
@@ -25,6 +26,7 @@ from fsdp.api import (
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
@@ -331,6 +333,162 @@ class FullyShardedDataParallel(nn.Module):
                 previous.state_dict_config,
                 previous.optim_state_dict_config,
             )
+
+    # -- optimizer state dicts (see fsdp._optim_state_dict) -------------------------------------------
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The state of ``optim`` (``model``'s optimizer; ``optim_state_dict``, if
+        given, in place of ``optim.state_dict()``) keyed by parameter names, in the
+        form the units' state-dict settings ask for: ``FULL_STATE_DICT`` gives full
+        tensors (CPU unless the optimizer config says ``offload_to_cpu=False``; only
+        rank 0 gets them under ``rank0_only``), other types give rows of each tensor
+        sharded over the unit's group. Call it on every rank of ``group``."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        config = settings.optim_state_dict_config
+        full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+        form = _osd.SaveForm(shard=not full, offload=getattr(config, "offload_to_cpu", True))
+        return _osd.optim_state_dict(
+            model,
+            optim.state_dict() if optim_state_dict is None else optim_state_dict,
+            _osd.KeySource.of(optim, None),
+            getattr(config, "rank0_only", False),
+            form,
+            group,
+        )
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Converts a dict from ``optim_state_dict`` (of any wrapping and world size,
+        in the form the units' settings ask for) into what ``optim`` (``model``'s
+        optimizer) loads; under a ``rank0_only`` full config only rank 0's dict is
+        read. ``is_named_optimizer``: ``optim`` keys its state by names
+        (``_NamedOptimizer``, TorchRec's ``KeyedOptimizer``). ``load_directly`` also
+        loads the result into ``optim``."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        result = _osd.optim_state_dict_to_load(
+            model,
+            optim_state_dict,
+            _osd.KeySource.of(optim, None),
+            getattr(settings.optim_state_dict_config, "rank0_only", False),
+            is_named_optimizer,
+            group,
+        )
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict``): the full optimizer state dict, on CPU,
+        keyed by parameter names; {} on ranks other than 0 under ``rank0_only``.
+        ``optim_input`` (deprecated) is what ``optim`` was built from."""
+        _osd.warn_legacy("full_optim_state_dict", "optim_state_dict")
+        _osd.warn_optim_input(optim_input)
+        return _osd.optim_state_dict(
+            model,
+            optim.state_dict(),
+            _osd.KeySource.of(optim, optim_input),
+            rank0_only,
+            _osd.SaveForm(shard=False, offload=True),
+            group,
+        )
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict``): the sharded optimizer state dict,
+        each tensor state of a unit's parameter a ``ShardedTensor`` of its rows."""
+        _osd.warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+        form = _osd.SaveForm(shard=True, offload=True)
+        return _osd.optim_state_dict(
+            model, optim.state_dict(), _osd.KeySource.of(optim, None), False, form, group
+        )
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): this rank's local form of a full
+        dict every rank has, for ``optim`` (or an optimizer built from
+        ``optim_input``; neither: from ``model.parameters()``). No communication."""
+        _osd.warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.optim_state_dict_to_load(
+            model, full_optim_state_dict, source, False, False, None
+        )
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): the local form of a sharded dict
+        (its rows are all-gathered over each unit's group)."""
+        _osd.warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        source = _osd.KeySource.of(optim, None)
+        return _osd.optim_state_dict_to_load(
+            model, sharded_optim_state_dict, source, False, False, None
+        )
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any | None = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): like
+        ``shard_full_optim_state_dict``, but only rank 0 of ``group`` has the full
+        dict (other ranks' argument is ignored) and sends it to the others."""
+        _osd.warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.optim_state_dict_to_load(
+            model, full_optim_state_dict or {}, source, True, False, group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-keys an optimizer state dict of ``model`` (which has no flat
+        parameters) by parameter names (``PARAM_NAME``) or by the IDs of ``optim``
+        (or of an optimizer built from ``optim_input``; neither:
+        ``model.parameters()``), so that full dicts of FSDP models and plain
+        optimizer state dicts convert into each other."""
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, source)
 
     # -- training helpers ---------------------------------------------------------------------------
 
