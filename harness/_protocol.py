@@ -67,6 +67,7 @@ class RunTest:
     rewrite_asserts: bool
     subtest_filter: tuple[tuple[str, str], ...]
     resume_after: int
+    map_cuda_to_cpu: bool = False  # see harness._rank.cuda_mapping
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
     )
+    parser.addini(
+        "map_cuda_to_cpu",
+        "as --map-cuda-to-cpu, for every distributed test of the session",
+        type="bool",
+        default=False,
+    )
     group = parser.getgroup("distributed", "distributed tests (harness)")
     group.addoption(
         "--device",
@@ -97,6 +103,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "this for one test.",
     )
     group.addoption(
+        "--map-cuda-to-cpu",
+        action="store_true",
+        default=False,
+        help="on CPU ranks, resolve the CUDA devices tests name (tensor.cuda(), "
+        "module.cuda(), device='cuda', .to('cuda')) to the rank's device, for tests "
+        "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
+    )
+    group.addoption(
         "--fresh-pool",
         action="store_true",
         default=False,
@@ -111,6 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "dist_timeout(seconds): per-test deadline for a distributed test",
         "requires_gpu(reason): skip unless the ranks run on CUDA",
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
+        "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
     ):
         config.addinivalue_line("markers", line)
     config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
@@ -268,6 +283,7 @@ def _request(item: pytest.Function) -> TestRequest:
         rewrite_asserts=config.getoption("assertmode") == "rewrite",
         subtest_filter=parse_filter(config.getoption("subtest")),
         resume_after=-1,
+        map_cuda_to_cpu=maps_cuda_to_cpu(item),
     )
     return TestRequest(
         key=PoolKey(world_size, placement.device_type, _checks_collectives(item)),
@@ -290,6 +306,17 @@ def _checks_collectives(item: pytest.Item) -> bool:
     tests run in pools of their own (the pool key says so)."""
     return bool(item.config.getoption("check_collectives")) or (
         item.get_closest_marker("check_collectives") is not None
+    )
+
+
+def maps_cuda_to_cpu(item: pytest.Item) -> bool:
+    """Whether the ranks resolve CUDA devices to a CPU rank's device (see
+    ``harness._rank.cuda_mapping``): the option, the ini value or the marker."""
+    config = item.config
+    return (
+        bool(config.getoption("map_cuda_to_cpu"))
+        or bool(config.getini("map_cuda_to_cpu"))
+        or item.get_closest_marker("map_cuda_to_cpu") is not None
     )
 
 

@@ -22,6 +22,7 @@ from harness._protocol import (
     WorkerSpec,
 )
 from harness._rank import context as rank_context
+from harness._rank.cuda_mapping import mapped
 from harness._rank.importer import import_test_module, resolve_qualname
 from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
 
@@ -134,7 +135,7 @@ def run_test(
     )
     rank_context.activate(context)
     try:
-        status, text, exc_type = _call_test(message, baseline)
+        status, text, exc_type = _call_test(message, device, baseline)
     finally:
         rank_context.activate(None)
     subtests_failed, deselected = context.any_subtest_failed, context.deselected
@@ -157,7 +158,9 @@ def run_test(
     )
 
 
-def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, str]:
+def _call_test(
+    message: RunTest, device: torch.device, baseline: StateBaseline
+) -> tuple[Status, str, str]:
     try:
         if tuple(sys.path) != message.sys_path:
             sys.path[:] = list(message.sys_path)
@@ -167,7 +170,8 @@ def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, 
         baseline.track_module(module.__name__)
         cls = resolve_qualname(module, message.class_qualname)
         instance = cls.__new__(cls)
-        _run_with_setup(instance, message.method_name, message.kwargs)
+        with mapped(message.map_cuda_to_cpu, device):  # see harness._rank.cuda_mapping
+            _run_with_setup(instance, message.method_name, message.kwargs)
     except rank_context.SKIP_EXCEPTIONS as exc:
         return Status.SKIPPED, rank_context.skip_reason(exc), type(exc).__name__
     except BaseException as exc:
