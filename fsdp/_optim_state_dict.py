@@ -95,7 +95,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp import _comm
 from fsdp._common import clean_tensor_name
-from fsdp._flat_param import FlatParamHandle, _Layout
+from fsdp._flat_param import FlatParamHandle
+from fsdp._layout import FlatParamLayout
 from fsdp._runtime import FSDPState
 from fsdp._state_dict import _row_shard
 from fsdp._unshard_params import ensure_initialized, states_in
@@ -226,7 +227,7 @@ class UnitLayout:
         return self._index[fqn]
 
     @property
-    def _flat(self) -> _Layout:
+    def _flat(self) -> FlatParamLayout:
         """The handle's layout (offsets, numels, shapes, total_numel): the one place
         this module reads it."""
         return self.handle.layout
