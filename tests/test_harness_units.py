@@ -211,9 +211,11 @@ def test_pool_start_does_not_count_against_the_test_deadline():
     assert 0.8 < resumed <= first  # a resumed attempt gets what the first left
 
 
-def test_pytest_timeout_limit_counts_the_pool_start():
+def test_pytest_timeout_limit_runs_from_the_pool_ready():
+    # pytest-timeout's timer starts when the pool is ready, so the pool's
+    # 0.4 s start is not taken from its 1 s either.
     manager = _SlowStartManager(start_s=0.4)
     request = _request(timeout_s=10.0, wall_limit_s=1.0)
     _dispatch.run(manager, request)  # type: ignore[arg-type]
-    assert 0.4 < manager.time_left[0] < 0.65
+    assert 0.9 < manager.time_left[0] <= 1.0
     assert request.info().timeout_s == 1.0
