@@ -1,7 +1,7 @@
 """Names, lifecycles and small helpers shared by every layer of the package.
 
 [Note: Environment switches]
-Two environment variables change behaviour, both read once when a
+Three environment variables change behaviour, all read once when a
 FullyShardedDataParallel instance is built (``EnvSwitches.read``), never deep
 inside the runtime:
 
@@ -10,6 +10,9 @@ inside the runtime:
 - ``FSDP_SKIP_WRITEBACK_CHECK=1``: with ``use_orig_params=True``, do not check
   before each unshard whether the user replaced or resized an original
   parameter or its gradient (saves the check; changes are then not written back).
+- ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read through ``dist.get_debug_level()``,
+  which ``dist.set_debug_level`` also sets): check the forward order across
+  ranks (see [Note: Checking the forward order across ranks] in fsdp._exec_order).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
@@ -55,12 +59,14 @@ class ProcessGroups(NamedTuple):
 class EnvSwitches(NamedTuple):
     use_full_prec_in_eval: bool
     skip_writeback_check: bool
+    check_exec_order: bool
 
     @classmethod
     def read(cls) -> EnvSwitches:
         return cls(
             os.environ.get(_FSDP_USE_FULL_PREC_IN_EVAL) == "1",
             os.environ.get(_FSDP_SKIP_WRITEBACK_CHECK) == "1",
+            dist.get_debug_level() == dist.DebugLevel.DETAIL,
         )
 
 

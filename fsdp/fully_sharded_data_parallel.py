@@ -12,11 +12,11 @@ from torch import Tensor, nn
 
 from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState, profiler_label
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, HYBRID_STRATEGIES, TrainingState, profiler_label
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
-from fsdp._runtime import FSDPState
+from fsdp._runtime import CommHook, FSDPState, UnshardHandle
 from fsdp._state_dict import StateDictHooks
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
@@ -176,6 +176,23 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def training_state(self) -> TrainingState:
         return self._state.training_state
+
+    @property
+    def _comm_hook(self) -> CommHook | None:
+        """The registered communication hook (None: FSDP's own reduction)."""
+        return self._state.comm_hook
+
+    @_comm_hook.setter
+    def _comm_hook(self, hook: CommHook | None) -> None:
+        self._state.comm_hook = hook
+
+    @property
+    def _comm_hook_state(self) -> object:
+        return self._state.comm_hook_state
+
+    @_comm_hook_state.setter
+    def _comm_hook_state(self, state: object) -> None:
+        self._state.comm_hook_state = state
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         for unit in states_in(self, recurse=True):
@@ -511,6 +528,46 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for state, sync in zip(states, previous):
                 state.sync_gradients = sync
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Registers ``hook`` to reduce gradients instead of FSDP, in every unit of
+        this root's tree; ``state`` is passed to each call. Sharded strategies call
+        ``hook(state, grad, output)`` with the padded unsharded gradient and an
+        empty shard to fill; ``NO_SHARD`` calls ``hook(state, grad)``, which
+        reduces ``grad`` in place (see [Note: Communication hooks] in
+        fsdp._runtime). Only on the root, before the first forward, and once;
+        not for hybrid strategies."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        units = states_in(self, recurse=True)
+        for unit in units:
+            strategy = unit.config.sharding_strategy
+            if strategy in HYBRID_STRATEGIES:
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: {strategy}"
+                )
+            if unit.comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        for unit in units:
+            unit.comm_hook = hook
+            unit.comm_hook_state = state
+
+    def _unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Starts this unit's all-gather ahead of its forward, which then finds the
+        parameters ready (torch's private API). With ``async_op`` returns a handle
+        whose ``wait()`` makes the current stream wait for it; otherwise waits."""
+        state = self._state
+        unshard = UnshardHandle(state.root.streams, state.unshard_ahead())
+        if async_op:
+            return unshard
+        unshard.wait()
+        return None
+
+    def _wait_unshard_streams_on_current_stream(self) -> None:
+        """The current stream waits for every all-gather issued so far."""
+        self._state.root.streams.compute_waits_for_unshard()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clips the gradients of every parameter in this root's tree by their

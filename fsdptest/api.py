@@ -41,6 +41,9 @@ class Seams:
     register_pre_backward_hooks: str
     register_post_backward_hook: str
     reshard: str
+    get_handle_to_prefetch: str
+    """Called as ``(state, current_handle)`` in each unit's forward, pre- and
+    post-backward; returns the handle to prefetch, or None."""
 
 
 if IMPL == "torch":
@@ -60,7 +63,10 @@ if IMPL == "torch":
         StateDictSettings,
         StateDictType,
     )
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp._common_utils import (
+        _get_handle_fqns_from_root,
+        clean_tensor_name,
+    )
     from torch.distributed.fsdp._flat_param import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
@@ -68,8 +74,10 @@ if IMPL == "torch":
         FlatParamHandle,
         FlatParamShardMetadata,
         HandleShardingStrategy,
+        HandleTrainingState,
     )
     from torch.distributed.fsdp._init_utils import NO_RESHARD_AFTER_FORWARD_STRATEGIES
+    from torch.distributed.fsdp._runtime_utils import _get_training_state
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.fsdp.wrap import (
@@ -118,6 +126,7 @@ if IMPL == "torch":
         register_pre_backward_hooks="torch.distributed.fsdp._runtime_utils._register_pre_backward_hooks",
         register_post_backward_hook="torch.distributed.fsdp._runtime_utils._register_post_backward_hook",
         reshard="torch.distributed.fsdp._runtime_utils._reshard",
+        get_handle_to_prefetch="torch.distributed.fsdp._runtime_utils._get_handle_to_prefetch",
     )
 else:
     from fsdp import (
@@ -140,6 +149,7 @@ else:
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
+        HandleTrainingState,
         clean_tensor_name,
     )
     from fsdp._composable import fully_shard
@@ -170,7 +180,18 @@ else:
         register_pre_backward_hooks="fsdp._runtime.FSDPState._register_pre_backward_hooks",
         register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
         reshard="fsdp._flat_param.FlatParamHandle.reshard",
+        get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
     )
+
+    def _get_training_state(handle: FlatParamHandle) -> HandleTrainingState:
+        """torch's ``_runtime_utils._get_training_state``."""
+        return handle.training_state
+
+    def _get_handle_fqns_from_root(state: Any, handle: FlatParamHandle | None) -> list[str] | None:
+        """torch's ``_common_utils._get_handle_fqns_from_root``: the names of the
+        handle's original parameters as seen from the root, None for no handle."""
+        return None if handle is None else state.root.exec_order.fqns[handle]
+
 
 FSDP = FullyShardedDataParallel
 
@@ -193,6 +214,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "HandleShardingStrategy",
     "LocalOptimStateDictConfig",
+    "HandleTrainingState",
     "LocalStateDictConfig",
     "MixedPrecision",
     "ModuleWrapPolicy",
@@ -204,6 +226,8 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "_Policy",
+    "_get_handle_fqns_from_root",
+    "_get_training_state",
     "_or_policy",
     "_validate_frozen_params",
     "_wrap_module_cls_individually",
