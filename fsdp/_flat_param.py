@@ -28,6 +28,8 @@ without grad leaves the phase alone. Every transition is a method that checks
 the state it starts from. An all-gather issued ahead of the unit's own use (a
 prefetch) leaves the flat parameter sharded and the unshard's CUDA event with
 the handle; the unit's own unshard then finds the data ready and waits on it.
+``prefetched`` (torch's ``_prefetched``) says that such an unshard was issued
+since the last reshard, so that the handle is not chosen for another one.
 
 [Note: The post-backward hook's node]
 Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
@@ -130,6 +132,7 @@ class FlatParamHandle:
     grads: FlatParamGrads
     training_state: HandleTrainingState
     phase: IterationPhase
+    prefetched: bool
     _sharding_strategy: HandleShardingStrategy
     _keep_low_precision_grads: bool
     _mp_reduce_dtype: torch.dtype | None
@@ -187,6 +190,7 @@ class FlatParamHandle:
         self.training_state = HandleTrainingState.IDLE
         self.phase = IterationPhase.IDLE
         self.has_optim_in_backward = False
+        self.prefetched = False
         self._unshard_event = None
         self._post_backward_hook = None
 
@@ -411,6 +415,7 @@ class FlatParamHandle:
         self.remove_post_backward_hook()
         self.training_state = HandleTrainingState.IDLE
         self.phase = IterationPhase.IDLE
+        self.prefetched = False
         self.views.end_iteration()
 
     def begin_summon(self) -> None:
@@ -452,6 +457,10 @@ class FlatParamHandle:
         event, self._unshard_event = self._unshard_event, None
         return event
 
+    def pending_unshard_event(self) -> torch.cuda.Event | None:
+        """The event of an unshard issued ahead of use, left for its own wait."""
+        return self._unshard_event
+
     def unsharded_to_cpu(self) -> Tensor:
         return self.storage.unsharded_to_cpu()
 
@@ -481,6 +490,7 @@ class FlatParamHandle:
         ``use_sharded_views`` (use_orig_params, no-reshard strategies after
         forward) the original parameters keep forward's views."""
         forward_data = self.storage.reshard(free_unsharded)
+        self.prefetched = False
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:

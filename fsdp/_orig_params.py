@@ -21,6 +21,16 @@ writes the module's dicts directly instead, bypassing overrides. Forward's views
 with ``use_orig_params`` are always written in place in ``_parameters`` (the
 order of ``named_parameters()`` is kept).
 
+[Note: Cheap between-use bookkeeping]
+Every unit re-points its original names after each reshard and checks them
+for user changes before each unshard, twice per iteration: with many small
+units that dominated a step's CPU time. So the resharded views of the local
+shard are built once per shard tensor and re-used (a parameter already viewing
+the right memory is not touched), the gradient views likewise per gradient
+tensor, and the writeback check first compares each name by identity and data
+pointer with what was last shown, which is all that is needed when nothing
+changed; only a mismatch takes the full comparison.
+
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
 once flattened: holding them would keep their full-size storage alive next to
@@ -97,6 +107,10 @@ class OrigParamViews:
     _kept_home: Tensor | None  # what forward's kept views point into
     _placeholders: list[ShardedParamPlaceholder]
     _grad_none: list[bool]  # the user set this original gradient to None
+    _resharded: tuple[Tensor, list[Tensor | None]] | None  # a shard and its views
+    _shown_ptrs: list[int]  # data pointer of each parameter as last shown (resharded)
+    _grad_views: tuple[Tensor, list[Tensor | None]] | None  # a gradient and its views
+    _grad_ptrs: list[int]  # data pointer of each parameter's gradient as last shown
 
     def __init__(
         self,
@@ -116,6 +130,10 @@ class OrigParamViews:
         self._kept_home = None
         self._placeholders = []
         self._grad_none = [False] * layout.num_params
+        self._resharded = None
+        self._shown_ptrs = [-1] * layout.num_params
+        self._grad_views = None
+        self._grad_ptrs = [-1] * layout.num_params
         self.refresh_placeholders(params[0].dtype, params[0].device)
 
     def refresh_placeholders(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -130,7 +148,17 @@ class OrigParamViews:
     def show_unsharded(self, flat: Tensor, as_params: bool, phase: HandleTrainingState) -> None:
         """The names become views of the unsharded flat parameter: ``nn.Parameter``
         s when ``as_params`` (summon_full_params, state dicts), plain ``Tensor``
-        views otherwise (forward and backward, so autograd reaches ``flat``)."""
+        views otherwise (forward and backward, so autograd reaches ``flat``).
+        In backward, forward's views are shown again when they still view
+        ``flat``'s memory (autograd saved them already; only a recomputed forward
+        reads the names)."""
+        if (
+            phase is HandleTrainingState.BACKWARD_PRE
+            and not as_params
+            and self._forward_views_fit(flat)
+        ):
+            self._show_forward_views()
+            return
         views = self.layout.views(flat)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             if as_params:
@@ -148,12 +176,33 @@ class OrigParamViews:
             param = nn.Parameter(view, requires_grad=requires_grad)
         set_param(info.module, info.param_name, param, self.safe_setattr)
 
+    def _forward_views_fit(self, flat: Tensor) -> bool:
+        """Every forward view exists and still views its part of ``flat``."""
+        base, size = flat.data_ptr(), flat.element_size()
+        for tensor, offset in zip(self._forward_tensors, self.layout.offsets):
+            if tensor is None or tensor.data_ptr() != base + offset * size:
+                return False
+        return True
+
+    def _show_forward_views(self) -> None:
+        for tensor, info in zip(self._forward_tensors, self.layout.param_infos):
+            assert tensor is not None
+            self._name_tensor(info, tensor)
+        self._alias_shared()
+        self.mode = ViewMode.UNSHARDED_TENSORS
+
+    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+        if not self.use_orig_params:
+            set_tensor(info.module, info.param_name, tensor, self.safe_setattr)
+            return
+        # Stays listed (in place, so the order of ``named_parameters()`` is kept):
+        # forward code may look its parameters up by name.
+        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
+        object.__setattr__(info.module, info.param_name, tensor)
+
     def _set_tensor_view(
         self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState
     ) -> None:
-        if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, view, self.safe_setattr)
-            return
         tensor = view
         saved = self._forward_tensors[i]
         if phase is HandleTrainingState.FORWARD:
@@ -161,10 +210,7 @@ class OrigParamViews:
         elif phase is HandleTrainingState.BACKWARD_PRE and saved is not None:
             saved.data = view  # keeps forward's autograd graph pointing here
             tensor = saved
-        # Stays listed (in place, so the order of ``named_parameters()`` is kept):
-        # forward code may look its parameters up by name.
-        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
-        object.__setattr__(info.module, info.param_name, tensor)
+        self._name_tensor(info, tensor)
 
     def _alias_shared(self) -> None:
         for info in self.layout.shared_param_infos:
@@ -199,21 +245,40 @@ class OrigParamViews:
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
+    def _resharded_views(self, local_shard: Tensor) -> list[Tensor | None]:
+        """Each parameter's view of ``local_shard``, built once per shard tensor."""
+        if self._resharded is None or self._resharded[0] is not local_shard:
+            if self.shard.sharded:
+                views = [self.shard.part_of(i, local_shard) for i in range(self.layout.num_params)]
+            else:
+                views = list(self.layout.views(local_shard))
+            self._resharded = (local_shard, views)
+        return self._resharded[1]
+
     def _show_no_shard(self, flat: Tensor) -> None:
-        views = self.layout.views(flat)
+        views = self._resharded_views(flat)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            assert view is not None
             if self.use_orig_params:
-                self._set_param_view(i, info, view, True)
+                self._point(i, view)
+                set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
             else:
                 set_tensor(info.module, info.param_name, view, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, local_shard: Tensor) -> None:
-        for i, (param, info) in enumerate(zip(self.params, self.layout.param_infos)):
-            part = self.shard.part_of(i, local_shard)
-            param.data = part if part is not None else local_shard.new_empty(0)
-            set_param(info.module, info.param_name, param, self.safe_setattr)
+        views = self._resharded_views(local_shard)
+        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            self._point(i, view if view is not None else local_shard.new_empty(0))
+            set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
         self._alias_shared()
+
+    def _point(self, i: int, view: Tensor) -> None:
+        """``params[i].data = view`` unless it already views that memory."""
+        param = self.params[i]
+        if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+            param.data = view
+        self._shown_ptrs[i] = param.data_ptr()
 
     def release(self) -> None:
         """Removes every original name from its module (around ``module._apply``)."""
@@ -230,9 +295,21 @@ class OrigParamViews:
         """Each original gradient becomes the view of its part of the sharded
         gradient, except where the user set it to None since the last backward
         (another optimizer's ``zero_grad(set_to_none=True)``)."""
+        views = self._sharded_grad_views(grad)
         for i, param in enumerate(self.params):
-            exposed = grad is not None and param.requires_grad and not self._grad_none[i]
-            assign_grad(param, self.shard.part_of(i, grad) if exposed else None)  # type: ignore[arg-type]
+            exposed = views is not None and param.requires_grad and not self._grad_none[i]
+            wanted = views[i] if exposed else None  # type: ignore[index]
+            if param.grad is not wanted:
+                assign_grad(param, wanted)
+            self._grad_ptrs[i] = param.grad.data_ptr() if param.grad is not None else -1
+
+    def _sharded_grad_views(self, grad: Tensor | None) -> list[Tensor | None] | None:
+        if grad is None:
+            return None
+        if self._grad_views is None or self._grad_views[0] is not grad:
+            views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
+            self._grad_views = (grad, views)
+        return self._grad_views[1]
 
     def show_unsharded_grads(self, grad: Tensor | None) -> None:
         """Unsharded gradient views (no_sync, summon_full_params(with_grads))."""
@@ -253,7 +330,10 @@ class OrigParamViews:
     def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> bool:
         """Copies user changes of original parameters (``.data`` or a new
         Parameter) and of their gradients into the flat parameter's shard and
-        gradient; returns whether anything was written."""
+        gradient; returns whether anything was written (see [Note: Cheap
+        between-use bookkeeping] for the fast path)."""
+        if self._unchanged(flat_param):
+            return False
         wrote = False
         for i, info in enumerate(self.layout.param_infos):
             if self.shard.param_range(i) is None or not hasattr(info.module, info.param_name):
@@ -262,6 +342,37 @@ class OrigParamViews:
             if self.mode is not ViewMode.KEPT_FORWARD:
                 wrote |= self._writeback_grad(i, flat_param, grads)
         return wrote
+
+    def _unchanged(self, flat_param: FlatParameter) -> bool:
+        """Every name still holds the parameter last shown, viewing the same memory,
+        with the gradient view last shown (or no gradient where none was)."""
+        if self.mode is not ViewMode.RESHARDED:
+            return False
+        flat_grad = flat_param.grad
+        views = (
+            self._grad_views[1] if self._grad_views and self._grad_views[0] is flat_grad else None
+        )
+        for i, info in enumerate(self.layout.param_infos):
+            param = self.params[i]
+            if self._shown_under(info) is not param:
+                return False
+            if param.data_ptr() != self._shown_ptrs[i]:
+                return False
+            exposed = views is not None and param.requires_grad and not self._grad_none[i]
+            expected = views[i] if exposed else None  # type: ignore[index]
+            grad = param.grad
+            if grad is not expected and not (grad is None and flat_grad is None):
+                return False
+            if grad is not None and grad.data_ptr() != self._grad_ptrs[i]:
+                return False  # ``.grad.data`` was replaced
+        return True
+
+    def _shown_under(self, info: ParamInfo) -> object:
+        """What the module holds under the name, where ``set_param`` put it
+        (see [Note: Setting the original names])."""
+        if self.safe_setattr:
+            return info.module._parameters.get(info.param_name)
+        return info.module.__dict__.get(info.param_name)
 
     def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
         current = getattr(info.module, info.param_name)

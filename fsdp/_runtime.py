@@ -28,23 +28,33 @@ Compiling a model that FSDP wraps compiles the modules' own computation; the
 FSDP hooks (unshard, reshard, reduce) run eagerly: dynamo breaks the graph at
 them instead of tracing storage resizes and collectives it cannot capture.
 
-[Note: Execution order and prefetch]
-The first iteration records the order in which units run forward. Forward
-prefetch unshards the next unit in that order; backward prefetch the previous
-one (backward runs in reverse). A unit is prefetched only if it still needs an
-unshard, so prefetching never adds an all-gather.
+Prefetching and the check of the forward order across ranks follow the orders
+recorded in fsdp._exec_order (see [Note: Execution order and prefetch] there);
+``_get_handle_to_prefetch`` picks the unit to prefetch (tests patch that seam).
+
+[Note: Communication hooks]
+``register_comm_hook(state, hook)`` on the root gives every unit of its tree a
+hook that replaces the gradient reduction (torch's semantics): sharded
+strategies call ``hook(state, padded_unsharded_grad, output)``, where ``output``
+is an empty shard the hook must fill; ``NO_SHARD`` calls ``hook(state, grad)``,
+which reduces ``grad`` in place. The hook divides as it sees fit (the default
+path divides by ``pre`` before and ``post`` after the collective). The gradient
+reaches the hook in the reduce dtype, except for torch's two low-precision
+hooks (``fp16_compress_hook``, ``bf16_compress_hook``), which cast it
+themselves and, as in torch, get it in the dtype backward produced. Whatever
+dtype the hook leaves, the result is cast to the gradient dtype the optimizer
+expects. Hybrid strategies refuse hooks (their reduction has two steps).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp import _comm, _registry
@@ -52,9 +62,13 @@ from fsdp._common import (
     FLAT_PARAM,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     EnvSwitches,
+    HandleTrainingState,
     ProcessGroups,
     TrainingState,
+    clean_tensor_name,
+    profiler_label,
 )
+from fsdp._exec_order import ExecutionOrder
 from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._storage import free_storage
@@ -104,34 +118,19 @@ class UnitConfig:
         return self.sharding_strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
 
 
-class ExecutionOrder:
-    """The order in which handles run forward, recorded in the first iteration."""
+CommHook = Callable[..., None]
 
-    forward: list[FlatParamHandle]
-    recording: bool
+# torch's low-precision hooks (see [Note: Communication hooks]), known by name:
+# this package does not import torch's hook module.
+_LOW_PRECISION_HOOKS = frozenset(
+    ("torch.distributed.algorithms._comm_hooks.default_hooks", name)
+    for name in ("fp16_compress_hook", "bf16_compress_hook")
+)
 
-    def __init__(self) -> None:
-        self.forward = []
-        self.recording = True
 
-    def record(self, handle: FlatParamHandle) -> None:
-        if self.recording and handle not in self.forward:
-            self.forward.append(handle)
-
-    def next_iteration(self) -> None:
-        self.recording = False
-
-    def _neighbour(self, handle: FlatParamHandle, step: int) -> FlatParamHandle | None:
-        if handle not in self.forward:
-            return None
-        index = self.forward.index(handle) + step
-        return self.forward[index] if 0 <= index < len(self.forward) else None
-
-    def forward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        return None if self.recording else self._neighbour(handle, 1)
-
-    def backward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        return self._neighbour(handle, -1)
+def _is_low_precision_hook(hook: CommHook | None) -> bool:
+    key = (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
+    return key in _LOW_PRECISION_HOOKS
 
 
 @dataclass
@@ -141,11 +140,47 @@ class RootContext:
     root: FSDPState
     states: list[FSDPState]
     streams: CommStreams
-    exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    exec_order: ExecutionOrder
     backward_started: bool = False
+
+    @classmethod
+    def of(cls, root: FSDPState, states: list[FSDPState]) -> RootContext:
+        streams = CommStreams(root.compute_device, root.config.limit_all_gathers)
+        handles = [s.handle for s in states if s.handle is not None]
+        fqns = _fqns_from_root(root.module)
+        order = ExecutionOrder(handles, fqns, root.process_group, root.config.env.check_exec_order)
+        return cls(root, states, streams, order)
 
     def state_of(self, handle: FlatParamHandle) -> FSDPState:
         return next(s for s in self.states if s.handle is handle)
+
+
+class UnshardHandle:
+    """What ``_unshard(async_op=True)`` returns: ``wait()`` makes the current
+    stream wait for the all-gather (nothing to wait for on the CPU)."""
+
+    _streams: CommStreams
+    _event: torch.cuda.Event | None
+
+    def __init__(self, streams: CommStreams, event: torch.cuda.Event | None) -> None:
+        self._streams = streams
+        self._event = event
+
+    def wait(self) -> None:
+        self._streams.compute_waits(self._event)
+        self._event = None
+
+
+def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
+    """Each handle's original parameter names as seen from the root (no wrapper prefixes)."""
+    fqns = {}
+    for name, module in root.named_modules():
+        state = _registry.state_of(module)
+        if state is None or state.handle is None or state.handle in fqns:
+            continue
+        prefix = clean_tensor_name(f"{name}.") if name else ""
+        fqns[state.handle] = [prefix + fqn for fqn in state.handle.fqns]
+    return fqns
 
 
 def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -184,6 +219,8 @@ class FSDPState:
     sync_gradients: bool
     state_dict_settings: StateDictSettings
     registers_flat_param: bool
+    comm_hook: CommHook | None  # see [Note: Communication hooks]
+    comm_hook_state: object
 
     def __init__(
         self,
@@ -214,6 +251,8 @@ class FSDPState:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         self.registers_flat_param = True
+        self.comm_hook = None
+        self.comm_hook_state = None
         _registry.register(module, self)
 
     @property
@@ -223,6 +262,14 @@ class FSDPState:
     @property
     def state_dict_config(self) -> StateDictConfig:
         return self.state_dict_settings.state_dict_config
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self.config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self.config.forward_prefetch
 
     # -- tree --------------------------------------------------------------------------
 
@@ -246,8 +293,7 @@ class FSDPState:
             return
         states = self.subtree_states()
         _check_homogeneous(states)
-        streams = CommStreams(self.compute_device, self.config.limit_all_gathers)
-        context = RootContext(self, states, streams)
+        context = RootContext.of(self, states)
         for state in states:
             state.is_root = state is self
             state.root_context = context
@@ -311,13 +357,16 @@ class FSDPState:
         self.lazy_init()
         if not self.is_root:
             return args, kwargs
-        with record_function("FSDP::root_pre_forward"):
+        with profiler_label("FSDP::root_pre_forward"):
             context = self.root
             context.streams.unshard_waits_for_compute()
+            context.exec_order.begin_root_forward()
             for state in context.states:
                 state._cast_buffers()
                 if state.handle is not None:
                     state.handle.sync_requires_grad()
+                if self.config.forward_prefetch and state.handle is not None:
+                    state.handle.prefetched = False
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
@@ -333,18 +382,17 @@ class FSDPState:
         handle = self.handle
         if handle is None or handle.recomputing_in_backward():
             return args, kwargs
-        with record_function("FSDP::pre_forward"):
+        with profiler_label("FSDP::pre_forward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             handle.begin_forward(self.full_precision_now())
-            self.root.exec_order.record(handle)
+            self.root.exec_order.record_pre_forward(handle, self.module.training)
             self.unshard(handle)
             self.wait_for_unshard(handle)
             handle._use_unsharded_views(as_params=False)
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
                 self._register_post_backward_reshard_only_hook(handle, args, kwargs)
-            if self.config.forward_prefetch:
-                self._prefetch(self.root.exec_order.forward_next(handle), in_backward=False)
+            self._prefetch_after(handle)
         return args, kwargs
 
     @_eager
@@ -355,8 +403,9 @@ class FSDPState:
         handle = self.handle
         if handle is not None and handle.recomputing_in_backward():
             return output
-        with record_function("FSDP::post_forward"):
+        with profiler_label("FSDP::post_forward"):
             if handle is not None:
+                self.root.exec_order.record_post_forward(handle)
                 keeps = self.config.keeps_unsharded_after_forward
                 # NO_SHARD has nothing to free; the root's backward starts right away.
                 free = not (keeps or self.is_root or not handle.uses_sharded_strategy)
@@ -415,14 +464,13 @@ class FSDPState:
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
         if handle is None or not handle.begin_backward():
             return
-        with record_function("FSDP::pre_backward"):
+        with profiler_label("FSDP::pre_backward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             self.unshard(handle)
             self.wait_for_unshard(handle)
             handle._use_unsharded_views(as_params=False)
             handle.prepare_gradient_for_backward()
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(context.exec_order.backward_next(handle), in_backward=True)
+            self._prefetch_after(handle)
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
         def hook() -> None:
@@ -431,16 +479,26 @@ class FSDPState:
         return hook
 
     @_eager
-    def _post_backward(self, handle: FlatParamHandle) -> None:
-        with record_function("FSDP::post_backward"):
+    def _post_backward(self, handle: FlatParamHandle, in_backward: bool = True) -> None:
+        """Reshards, prefetches (not once backward is over) and reduces."""
+        with profiler_label("FSDP::post_backward"):
             handle.end_backward()
             if handle.flat_param.grad is None:
                 return
+            if in_backward:
+                self._post_backward_reshard(handle)
+            else:
+                self.reshard(handle, free=self._frees_in_backward())
             if not self.sync_gradients:
                 handle.keep_unsharded_grad()
                 return
-            self._post_backward_reshard(handle)
             self._reduce_grad(handle)
+
+    def _frees_in_backward(self) -> bool:
+        """Backward frees the unsharded parameter, except under ``no_sync`` for
+        the strategies that keep it from forward to backward: the next forward
+        then needs no all-gather (torch's trade of memory for speed)."""
+        return self.sync_gradients or not self.config.keeps_unsharded_after_forward
 
     def _make_reshard_only_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
         def hook() -> None:
@@ -450,34 +508,53 @@ class FSDPState:
 
     @_eager
     def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
-        with record_function("FSDP::post_backward_reshard_only"):
+        with profiler_label("FSDP::post_backward_reshard_only"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             handle.end_backward()
             self._post_backward_reshard(handle)
 
     def _post_backward_reshard(self, handle: FlatParamHandle) -> None:
-        """Reshards after the unit's backward and prefetches (``BACKWARD_POST``).
-        Runs once per unit and backward, from its post-backward hook or its
-        reshard-only hook, never from the end of backward: tests count it."""
-        self.reshard(handle, free=True)
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch(self.root.exec_order.backward_next(handle), in_backward=True)
+        """Reshards after the unit's backward and prefetches. Runs once per unit
+        and backward, from its post-backward hook or its reshard-only hook, never
+        from the end of backward: tests count it."""
+        self.reshard(handle, free=self._frees_in_backward())
+        self._prefetch_after(handle)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
         grad = handle.take_unsharded_grad()
         assert grad is not None
-        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
         with self.root.streams.on_reduce(grad):
             reduce_dtype = handle.reduce_dtype()
-            grad = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
-            if pre > 1:
-                grad.div_(pre)
-            reduced = self._reduce(handle, grad)
-            if post > 1:
-                reduced.div_(post)
+            if grad.dtype != reduce_dtype and not _is_low_precision_hook(self.comm_hook):
+                grad = grad.to(reduce_dtype)
+            if self.comm_hook is None:
+                reduced = self._default_reduce(handle, grad)
+            else:
+                reduced = self._hook_reduce(handle, grad)
             handle.set_reduced_grad(reduced)
             if handle.has_optim_in_backward:
                 handle.step_optimizers_in_backward()
+
+    def _default_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        """Averages over the data-parallel ranks, dividing in two steps (see
+        ``_comm.gradient_divide_factors``)."""
+        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
+        if pre > 1:
+            grad.div_(pre)
+        reduced = self._reduce(handle, grad)
+        if post > 1:
+            reduced.div_(post)
+        return reduced
+
+    def _hook_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        """Hands the reduction to the registered hook (see [Note: Communication hooks])."""
+        assert self.comm_hook is not None
+        if not handle.uses_sharded_strategy:
+            self.comm_hook(self.comm_hook_state, grad)
+            return grad
+        padded, output = self._reduce_scatter_tensors(handle, grad)
+        self.comm_hook(self.comm_hook_state, padded, output)
+        return output
 
     def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
         """Sums the gradient over the shard group (reduce-scatter, or all-reduce
@@ -495,13 +572,18 @@ class FSDPState:
         return reduced
 
     def _reduce_scatter(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        padded, reduced = self._reduce_scatter_tensors(handle, grad)
+        _comm.reduce_scatter(reduced, padded, self.process_group)
+        return reduced
+
+    @staticmethod
+    def _reduce_scatter_tensors(handle: FlatParamHandle, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The padded unsharded gradient and an empty shard for the result."""
         padded = grad
         if grad.numel() != handle.padded_numel:
             padded = torch.zeros(handle.padded_numel, dtype=grad.dtype, device=grad.device)
             padded[: grad.numel()].copy_(grad)
-        reduced = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        _comm.reduce_scatter(reduced, padded, self.process_group)
-        return reduced
+        return padded, torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
 
     def _data_parallel_size(self) -> int:
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
@@ -510,7 +592,7 @@ class FSDPState:
     @_eager
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback."""
-        with record_function("FSDP::post_backward_final_callback"):
+        with profiler_label("FSDP::post_backward_final_callback"):
             context = self.root
             for state in context.states:
                 state._post_backward_if_missed()
@@ -529,15 +611,16 @@ class FSDPState:
         ran (the first forward's graph was dropped) is finished here."""
         handle = self.handle
         if handle is not None and handle.backward_missed():
-            self._post_backward(handle)
+            self._post_backward(handle, in_backward=False)
 
     def _finalize_unit(self) -> None:
         handle = self.handle
         self.training_state = TrainingState.IDLE
         if handle is None:
             return
-        if handle.is_unsharded() or handle.holds_unsharded_buffers():
-            self.reshard(handle, free=True)  # also a copy kept for a backward that never ran
+        free = self._frees_in_backward()
+        if handle.is_unsharded() or (free and handle.holds_unsharded_buffers()):
+            self.reshard(handle, free)  # also a copy kept for a backward that never ran
         handle.finish_iteration(synced=self.sync_gradients)
 
     # -- unshard / reshard ------------------------------------------------------------------
@@ -556,7 +639,7 @@ class FSDPState:
                 handle.finish_unshard(ready)
             return
         streams = self.root.streams
-        with streams.on_unshard(), record_function("FSDP::unshard"):
+        with streams.on_unshard(), profiler_label("FSDP::unshard"):
             unsharded = handle.unshard_input()
             if handle.uses_sharded_strategy:
                 buffer = handle.unsharded_buffer()
@@ -602,19 +685,50 @@ class FSDPState:
         self.root.streams.release(handle.buffers_freed_by_reshard(free))
         handle.reshard(free, use_sharded_views)
 
-    def _prefetch(self, target: FlatParamHandle | None, in_backward: bool) -> None:
-        """Starts ``target``'s all-gather early; its own pre-hook later finds the
-        data ready. Only a sharded unit that still needs its data (in backward:
-        one whose backward has not started) is prefetched, so prefetching never
-        adds an all-gather."""
-        if target is None or not target.uses_sharded_strategy or target.is_unsharded():
-            return
-        if in_backward and not target.awaits_backward():
-            return
-        state = self.root.state_of(target)
-        target.set_force_full_precision(state.full_precision_now())
-        with record_function("FSDP::prefetch"):
-            state.unshard(target, prefetch=True)
+    def _get_handle_to_prefetch(self, current_handle: FlatParamHandle) -> FlatParamHandle | None:
+        """The handle to unshard ahead of its use now that ``current_handle``'s
+        hook runs, by its training state (forward, pre- or post-backward) and this
+        unit's prefetch settings; None for none (see [Note: Execution order and
+        prefetch] in fsdp._exec_order). The seam tests patch (torch's
+        ``_runtime_utils._get_handle_to_prefetch(state, current_handle)``)."""
+        order = self.root.exec_order
+        training_state = current_handle.training_state
+        prefetch = self.config.backward_prefetch
+        if (
+            training_state is HandleTrainingState.BACKWARD_PRE
+            and prefetch is BackwardPrefetch.BACKWARD_PRE
+        ) or (
+            training_state is HandleTrainingState.BACKWARD_POST
+            and prefetch is BackwardPrefetch.BACKWARD_POST
+        ):
+            candidate = order.backward_candidate(current_handle)
+            if candidate is not None and candidate.awaits_backward() and not candidate.prefetched:
+                return candidate
+        elif training_state is HandleTrainingState.FORWARD and self.config.forward_prefetch:
+            candidate = order.forward_candidate(current_handle)
+            if candidate is not None and not candidate.prefetched:
+                return candidate
+        return None
+
+    def _prefetch_after(self, handle: FlatParamHandle) -> None:
+        target = self._get_handle_to_prefetch(handle)
+        if target is not None:
+            self.root.state_of(target).unshard_ahead()
+
+    def unshard_ahead(self) -> torch.cuda.Event | None:
+        """Starts this unit's all-gather ahead of its use (a prefetch, or
+        ``_unshard``); its own unshard later finds the data ready. Returns the
+        event the all-gather's users wait for (CUDA). Nothing is gathered for a
+        unit that holds its data already (``NO_SHARD``, kept since forward)."""
+        handle = self.handle
+        if handle is None:
+            return None
+        handle.prefetched = True
+        if handle.uses_sharded_strategy and not handle.is_unsharded():
+            handle.set_force_full_precision(self.full_precision_now())
+            with profiler_label("FSDP::prefetch"):
+                self.unshard(handle, prefetch=True)
+        return handle.pending_unshard_event()
 
     # -- the flat parameter as a registered parameter of the wrapper --------------------
 

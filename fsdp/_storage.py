@@ -268,8 +268,8 @@ class FlatParamStorage:
         """Points the flat parameter back at the local shard; returns the data it
         pointed at. ``free_unsharded`` frees the unsharded storage (the runtime
         made sure no pending kernel reads it); otherwise it is kept for the next
-        unshard (a ``NO_SHARD`` low-precision copy is always freed: it is rebuilt
-        without communication)."""
+        unshard (a ``NO_SHARD`` low-precision copy is always freed, as torch's
+        FSDP does: it is rebuilt without communication)."""
         flat_param = self.flat_param
         previous = flat_param.data
         flat_param.data = flat_param._local_shard

@@ -42,6 +42,9 @@ class Seams:
     register_post_backward_hook: str
     reshard: str
     post_backward_reshard: str  # once per unit and backward, from its post-backward hooks
+    get_handle_to_prefetch: str
+    """Called as ``(state, current_handle)`` in each unit's forward, pre- and
+    post-backward; returns the handle to prefetch, or None."""
 
 
 if IMPL == "torch":
@@ -49,14 +52,22 @@ if IMPL == "torch":
     from torch.distributed.fsdp import (
         BackwardPrefetch,
         CPUOffload,
+        FullOptimStateDictConfig,
         FullStateDictConfig,
+        LocalOptimStateDictConfig,
         LocalStateDictConfig,
         MixedPrecision,
+        OptimStateKeyType,
+        ShardedOptimStateDictConfig,
         ShardedStateDictConfig,
         ShardingStrategy,
+        StateDictSettings,
         StateDictType,
     )
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp._common_utils import (
+        _get_handle_fqns_from_root,
+        clean_tensor_name,
+    )
     from torch.distributed.fsdp._flat_param import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
@@ -65,13 +76,17 @@ if IMPL == "torch":
         FlatParamHandle,
         FlatParamShardMetadata,
         HandleShardingStrategy,
+        HandleTrainingState,
     )
     from torch.distributed.fsdp._init_utils import (
         HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         _init_intra_and_inter_node_groups,
     )
-    from torch.distributed.fsdp._runtime_utils import HOMOGENEOUS_ATTR_NAMES
+    from torch.distributed.fsdp._runtime_utils import (
+        HOMOGENEOUS_ATTR_NAMES,
+        _get_training_state,
+    )
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
     from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -122,17 +137,23 @@ if IMPL == "torch":
         register_post_backward_hook="torch.distributed.fsdp._runtime_utils._register_post_backward_hook",
         reshard="torch.distributed.fsdp._runtime_utils._reshard",
         post_backward_reshard="torch.distributed.fsdp._runtime_utils._post_backward_reshard",
+        get_handle_to_prefetch="torch.distributed.fsdp._runtime_utils._get_handle_to_prefetch",
     )
 else:
     from fsdp import (
         BackwardPrefetch,
         CPUOffload,
+        FullOptimStateDictConfig,
         FullStateDictConfig,
         FullyShardedDataParallel,
+        LocalOptimStateDictConfig,
         LocalStateDictConfig,
         MixedPrecision,
+        OptimStateKeyType,
+        ShardedOptimStateDictConfig,
         ShardedStateDictConfig,
         ShardingStrategy,
+        StateDictSettings,
         StateDictType,
     )
     from fsdp._common import (
@@ -142,6 +163,7 @@ else:
         FLAT_PARAM,
         HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
+        HandleTrainingState,
         clean_tensor_name,
     )
     from fsdp._composable import fully_shard
@@ -175,7 +197,18 @@ else:
         register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
         reshard="fsdp._flat_param.FlatParamHandle.reshard",
         post_backward_reshard="fsdp._runtime.FSDPState._post_backward_reshard",
+        get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
     )
+
+    def _get_training_state(handle: FlatParamHandle) -> HandleTrainingState:
+        """torch's ``_runtime_utils._get_training_state``."""
+        return handle.training_state
+
+    def _get_handle_fqns_from_root(state: Any, handle: FlatParamHandle | None) -> list[str] | None:
+        """torch's ``_common_utils._get_handle_fqns_from_root``: the names of the
+        handle's original parameters as seen from the root, None for no handle."""
+        return None if handle is None else state.root.exec_order.fqns[handle]
+
 
 FSDP = FullyShardedDataParallel
 
@@ -197,17 +230,25 @@ __all__ = [
     "FlatParamHandle",
     "FlatParamShardMetadata",
     "FlatParameter",
+    "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "HandleShardingStrategy",
+    "LocalOptimStateDictConfig",
+    "HandleTrainingState",
     "LocalStateDictConfig",
     "MixedPrecision",
     "ModuleWrapPolicy",
+    "OptimStateKeyType",
     "ShardedGradScaler",
+    "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictSettings",
     "StateDictType",
     "_Policy",
+    "_get_handle_fqns_from_root",
+    "_get_training_state",
     "_init_intra_and_inter_node_groups",
     "_or_policy",
     "_validate_frozen_params",

@@ -72,7 +72,7 @@ def _samples(run) -> list[tuple[int, int, int, int, int]]:
 def test_threads_and_descriptors_stay_bounded_over_many_tests(inner):
     """Each test creates three subgroups, an FSDP model over each, and a hybrid-sharded
     model; one pool runs them all and returns to its baseline after every test."""
-    run = inner(CHURN, "-W", "error::harness._report.PoolLeakWarning")
+    run = inner(CHURN, "-W", "error::harness.PoolLeakWarning")
     run.result.assert_outcomes(passed=TESTS)
     samples = _samples(run)
     for rank_pid in {pid for _, pid, *_ in samples}:

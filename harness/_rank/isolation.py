@@ -6,7 +6,8 @@ captured when the pool started (and extended as modules are imported):
 
 - ``os.environ`` is restored key by key (a test that sets
   ``FSDP_USE_FULL_PREC_IN_EVAL`` cannot change the next test's behaviour);
-- the default dtype and grad mode are reset;
+- the default dtype and grad mode are reset, and torch function modes the test
+  left pushed are popped;
 - every module attribute and class attribute of tracked modules (ours, the test
   modules, ``torch.distributed``) is restored by identity, which undoes a
   monkeypatch that was never reverted (``FlatParamHandle._use_unsharded_views = f``);
@@ -50,6 +51,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from harness._rank.cuda_mapping import pop_function_modes
 
 # Namespaces torch owns: only functions and classes are restored (what a
 # monkeypatch replaces); plain values there are torch's own runtime state.
@@ -153,6 +156,7 @@ class StateBaseline:
         self._restore_environ()
         torch.set_default_dtype(self.default_dtype)
         torch.set_grad_enabled(True)
+        pop_function_modes()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             restored = sum(snapshot.restore() for snapshot in self.namespaces.values())
