@@ -23,6 +23,14 @@
 Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
 returns; the next synchronised backward reduces the accumulated sum.
 
+[Note: Forward inputs keep their identity]
+Inputs are moved to the compute device and cast (mixed precision) tensor by
+tensor through lists, tuples, dicts and the other pytree containers. When no
+tensor of an argument needed changing, the module gets the caller's objects
+themselves, not rebuilt copies: a module may add to a list or dict it is given
+and the caller may look (torch's ``_recursive_to`` after its fix for this,
+pytorch#157832). When one did, that argument's containers are rebuilt.
+
 [Note: FSDP under torch.compile]
 Compiling a model that FSDP wraps compiles the modules' own computation; the
 FSDP hooks (unshard, reshard, reduce) run eagerly: dynamo breaks the graph at
@@ -55,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from fsdp import _comm, _registry
 from fsdp._common import (
@@ -183,20 +191,34 @@ def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
     return fqns
 
 
+def _map_inputs(fn: Callable[[Tensor], Tensor], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``fn`` applied to every tensor of the forward inputs (see [Note: Forward
+    inputs keep their identity])."""
+
+    def apply(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        mapped = [fn(x) if isinstance(x, Tensor) else x for x in leaves]
+        if all(new is old for new, old in zip(mapped, leaves)):
+            return tree
+        return tree_unflatten(mapped, spec)
+
+    return apply(args), apply(kwargs)
+
+
 def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """Casts floating-point tensors (never integer ones, e.g. token ids)."""
 
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
-    return tree_map_only(Tensor, cast, args), tree_map_only(Tensor, cast, kwargs)
+    return _map_inputs(cast, args, kwargs)
 
 
 def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
     def move(t: Tensor) -> Tensor:
         return t if t.device == device else t.to(device)
 
-    return tree_map_only(Tensor, move, args), tree_map_only(Tensor, move, kwargs)
+    return _map_inputs(move, args, kwargs)
 
 
 class FSDPState:
