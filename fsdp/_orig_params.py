@@ -274,9 +274,15 @@ class OrigParamViews:
         self._alias_shared()
 
     def _point(self, i: int, view: Tensor) -> None:
-        """``params[i].data = view`` unless it already views that memory."""
+        """``params[i].data = view`` unless it already views that memory (an empty
+        view has no memory: its dtype and device must match, e.g. after ``.half()``)."""
         param = self.params[i]
-        if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+        if (
+            param.data_ptr() != view.data_ptr()
+            or param.shape != view.shape
+            or param.dtype != view.dtype
+            or param.device != view.device
+        ):
             param.data = view
         self._shown_ptrs[i] = param.data_ptr()
 
