@@ -13,7 +13,10 @@ gives none, so seed tests run unchanged on CPU; ``isinstance`` checks against it
 accept every torch FSDP instance (auto-wrapped children are built from torch's
 own class). Torch's FSDP cannot offload parameters to the CPU without an
 accelerator (it pins memory and synchronises accelerator streams); such a
-configuration is skipped with ``TORCH_CPU_OFFLOAD_SKIP`` as the reason.
+configuration is skipped with ``TORCH_CPU_OFFLOAD_SKIP`` as the reason, or,
+where a suite asserts the limitation instead (``torch_refuses_cpu_offload``),
+``assert_torch_refuses_cpu_offload`` checks that torch's own class raises
+``TORCH_CPU_OFFLOAD_ERROR`` when built so.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_SKIP
+from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_ERROR, TORCH_CPU_OFFLOAD_SKIP
 from harness import current_device
 
 IMPL: str = os.environ.get(IMPL_ENV, "local")
@@ -212,6 +215,30 @@ else:
 
 FSDP = FullyShardedDataParallel
 
+
+def torch_refuses_cpu_offload(cpu_offload: Any) -> bool:
+    """Torch's FSDP on a CPU run asked to offload parameters (see the module note)."""
+    offloads = cpu_offload is not None and cpu_offload.offload_params
+    return IMPL == "torch" and current_device().type == "cpu" and offloads
+
+
+def assert_torch_refuses_cpu_offload(
+    case: unittest.TestCase, module: torch.nn.Module, in_features: int
+) -> None:
+    """Torch's own class, wrapping ``module`` (a module of ``in_features`` inputs)
+    with parameter offloading on a CPU run, raises ``TORCH_CPU_OFFLOAD_ERROR`` by
+    its first forward, where it pins the shard's memory (the facade would skip
+    instead)."""
+    if IMPL != "torch":
+        raise AssertionError("only torch's FSDP refuses to offload on a CPU run")
+    with case.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
+        model = _TorchFSDP(
+            module, device_id=torch.device("cpu"), cpu_offload=CPUOffload(offload_params=True)
+        )
+        param = next(module.parameters())
+        model(torch.zeros(1, in_features, dtype=param.dtype)).sum().backward()
+
+
 __all__ = [
     "FLAT_PARAM",
     "FSDP",
@@ -252,6 +279,7 @@ __all__ = [
     "_init_intra_and_inter_node_groups",
     "_or_policy",
     "_validate_frozen_params",
+    "assert_torch_refuses_cpu_offload",
     "_wrap_module_cls_individually",
     "always_wrap_policy",
     "clean_tensor_name",
@@ -260,6 +288,7 @@ __all__ = [
     "fully_shard",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
+    "torch_refuses_cpu_offload",
     "transformer_auto_wrap_policy",
     "wrap",
 ]
