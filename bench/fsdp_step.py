@@ -19,7 +19,7 @@ Every FSDP mode has one unit per transformer block (plus the root) and, with
 ``--dtype bf16``, bf16 parameters with fp32 gradient reduction. Rank 0 prints a
 table (median and min step time, spread, peak memory, TFLOP/s per GPU, final
 loss), says whether the final losses agree, and with ``--json`` writes it all.
-``--profile MODE`` also writes a chrome trace of two more steps of that mode.
+``--profile MODE[,MODE...]`` also writes a chrome trace of two more steps of those modes.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ PRESETS = {
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark run. ``profile=None`` profiles no mode; ``json_path=None`` writes no JSON."""
+    """One benchmark run. ``profile=()`` profiles no mode; ``json_path=None`` writes no JSON."""
 
     preset: str
     model: ModelConfig
@@ -145,7 +145,7 @@ class BenchConfig:
     warmup: int
     steps: int
     seed: int
-    profile: str | None
+    profile: tuple[str, ...]
     out_dir: Path
     json_path: Path | None
 
@@ -445,7 +445,7 @@ def measure_mode(mode: str, cfg: BenchConfig, env: RankEnv, batch: Batch) -> Mod
         step()
     times, loss = timed_steps(step, cfg.steps, env.device)
     result = summarize(mode, times, loss, cfg, env)
-    if cfg.profile == mode:
+    if mode in cfg.profile:
         profile_steps(step, mode, cfg, env)
     return result
 
@@ -705,16 +705,22 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", metavar="MODE", help="trace 2 more steps of MODE")
+    parser.add_argument(
+        "--profile",
+        metavar="MODES",
+        default="",
+        help="trace 2 more steps of these modes (comma list)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "fsdp_step")
     parser.add_argument("--json", type=Path, dest="json_path")
     opts = parser.parse_args(argv)
     modes = tuple(m for m in opts.modes.split(",") if m)
-    unknown = [m for m in (*modes, opts.profile) if m is not None and m not in MODES]
+    profiled = tuple(m for m in opts.profile.split(",") if m)
+    unknown = [m for m in (*modes, *profiled) if m not in MODES]
     if unknown or not modes:
         parser.error(f"unknown or no modes {unknown}; choose from {MODES}")
-    if opts.profile is not None and opts.profile not in modes:
-        parser.error(f"--profile {opts.profile} is not in --modes")
+    if not set(profiled) <= set(modes):
+        parser.error(f"--profile {opts.profile} names modes not in --modes")
     if opts.steps < 1:
         parser.error("--steps must be at least 1")
     preset = opts.preset or ("gpt-937m" if on_cuda else "tiny")
@@ -732,7 +738,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         warmup=opts.warmup,
         steps=opts.steps,
         seed=opts.seed,
-        profile=opts.profile,
+        profile=profiled,
         out_dir=opts.out_dir,
         json_path=opts.json_path,
     )
