@@ -25,6 +25,7 @@ loss), says whether the final losses agree, and with ``--json`` writes it all.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -151,6 +152,7 @@ class BenchConfig:
     steps: int
     seed: int
     profile: tuple[str, ...]
+    held: tuple[str, ...]  # modes whose memory held between steps is attributed
     out_dir: Path
     json_path: Path | None
 
@@ -454,6 +456,8 @@ def measure_mode(mode: str, cfg: BenchConfig, env: RankEnv, batch: Batch) -> Mod
     times, loss = timed_steps(step, cfg.steps, env.device)
     result = summarize(mode, times, (first, loss), cfg, env)
     result = result._replace(phases_gib=phase_peaks(run, batch, env))
+    if mode in cfg.held and env.device.type == "cuda":
+        print_held_memory(run, batch, mode, env)
     if mode in cfg.profile:
         profile_steps(step, mode, cfg, env)
     return result
@@ -520,6 +524,42 @@ def phase_peaks(run: Run, batch: Batch, env: RankEnv) -> dict[str, float] | None
     values = torch.tensor(list(marks.values()), dtype=torch.float64, device=env.device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return dict(zip(marks, values.tolist()))
+
+
+def print_held_memory(run: Run, batch: Batch, mode: str, env: RankEnv, top: int = 12) -> None:
+    """What is allocated when a step starts (after ``zero_grad``), by where it was
+    allocated: CUDA's allocator history records two steps, and the live blocks
+    are grouped by the innermost frames of this repository (or of torch's
+    optimizer and FSDP). Blocks from before the recording (the parameters) show
+    as such."""
+    history = torch.cuda.memory._record_memory_history
+    history(max_entries=1_000_000)
+    try:
+        for _ in range(2):
+            train_step(run, batch)
+        run.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        history(enabled=None)
+    sites: collections.Counter[str] = collections.Counter()
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                sites[_allocation_site(block.get("frames", []))] += block["size"]
+    if env.rank == 0:
+        total = sum(sites.values()) / 2**30
+        print(f"\n== memory held at the start of a step of {mode}: {total:.2f} GiB")
+        for site, size in sites.most_common(top):
+            print(f"  {size / 2**30:8.3f} GiB  {site}")
+
+
+def _allocation_site(frames: list[dict[str, Any]]) -> str:
+    if not frames:
+        return "(allocated before the recording)"
+    ours = [f for f in frames if str(ROOT) in f["filename"] or "torch/optim" in f["filename"]]
+    picked = (ours or frames)[:2]
+    return " <- ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in picked)
 
 
 def format_phases(results: list[ModeResult]) -> str | None:
@@ -774,6 +814,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         default="",
         help="trace 2 more steps of these modes (comma list)",
     )
+    parser.add_argument(
+        "--held-memory",
+        metavar="MODES",
+        default="",
+        help="attribute the memory held between steps of these modes (comma list, CUDA)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "fsdp_step")
     parser.add_argument("--json", type=Path, dest="json_path")
     opts = parser.parse_args(argv)
@@ -804,6 +850,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         steps=opts.steps,
         seed=opts.seed,
         profile=profiled,
+        held=tuple(m for m in opts.held_memory.split(",") if m),
         out_dir=opts.out_dir,
         json_path=opts.json_path,
     )
