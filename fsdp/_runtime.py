@@ -24,12 +24,14 @@ Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
 returns; the next synchronised backward reduces the accumulated sum.
 
 [Note: Forward inputs keep their identity]
-Inputs are moved to the compute device and cast (mixed precision) tensor by
-tensor through lists, tuples, dicts and the other pytree containers. When no
-tensor of an argument needed changing, the module gets the caller's objects
-themselves, not rebuilt copies: a module may add to a list or dict it is given
-and the caller may look (torch's ``_recursive_to`` after its fix for this,
-pytorch#157832). When one did, that argument's containers are rebuilt.
+The root moves inputs to the compute device through lists, tuples, dicts,
+namedtuples (a ``PackedSequence`` too) and the other pytree containers; units
+cast them (mixed precision) and hook outputs through what ``_apply_to_tensors``
+reaches (dataclasses and sets as well, see fsdp._utils). When no tensor of an
+argument needed changing, the module gets the caller's objects themselves, not
+rebuilt copies: a module may add to a list or dict it is given and the caller
+may look (torch's ``_recursive_to`` after its fix for this, pytorch#157832).
+When one did, the containers on its path are rebuilt.
 
 [Note: FSDP under torch.compile]
 Compiling a model that FSDP wraps compiles the modules' own computation; the
@@ -63,7 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp import _comm, _registry
 from fsdp._common import (
@@ -81,6 +83,7 @@ from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._storage import free_storage
 from fsdp._streams import CommStreams
+from fsdp._utils import _apply_to_tensors
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -191,34 +194,29 @@ def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
     return fqns
 
 
-def _map_inputs(fn: Callable[[Tensor], Tensor], args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """``fn`` applied to every tensor of the forward inputs (see [Note: Forward
-    inputs keep their identity])."""
-
-    def apply(tree: Any) -> Any:
-        leaves, spec = tree_flatten(tree)
-        mapped = [fn(x) if isinstance(x, Tensor) else x for x in leaves]
-        if all(new is old for new, old in zip(mapped, leaves)):
-            return tree
-        return tree_unflatten(mapped, spec)
-
-    return apply(args), apply(kwargs)
-
-
 def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """Casts floating-point tensors (never integer ones, e.g. token ids)."""
 
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
-    return _map_inputs(cast, args, kwargs)
+    cast_args, cast_kwargs = _apply_to_tensors(cast, (args, kwargs))
+    return cast_args, cast_kwargs
 
 
 def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    def move(t: Tensor) -> Tensor:
-        return t if t.device == device else t.to(device)
+    """See [Note: Forward inputs keep their identity]."""
 
-    return _map_inputs(move, args, kwargs)
+    def move(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        moved = [
+            x.to(device) if isinstance(x, Tensor) and x.device != device else x for x in leaves
+        ]
+        if all(new is old for new, old in zip(moved, leaves)):
+            return tree
+        return tree_unflatten(moved, spec)
+
+    return move(args), move(kwargs)
 
 
 class FSDPState:
@@ -448,7 +446,7 @@ class FSDPState:
                 tensor.register_hook(self._make_pre_backward_hook(handle))
             return tensor
 
-        return tree_map_only(Tensor, register, output)
+        return _apply_to_tensors(register, output)
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
@@ -464,8 +462,7 @@ class FSDPState:
         gradient leave it to the end of backward."""
         if handle.flat_param.requires_grad:
             return
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        inputs = [t for t in inputs if t.requires_grad]
+        inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if inputs:
             handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
 
@@ -787,4 +784,16 @@ def _needs_grad(output: Any) -> bool:
     """Whether any tensor of a forward's output needs a gradient (its backward will run)."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output))
+    return any(t.requires_grad for t in _tensors_in(output))
+
+
+def _tensors_in(tree: Any) -> list[Tensor]:
+    """Every tensor of ``tree``, found as ``_apply_to_tensors`` finds them."""
+    found: list[Tensor] = []
+
+    def visit(tensor: Tensor) -> Tensor:
+        found.append(tensor)
+        return tensor
+
+    _apply_to_tensors(visit, tree)
+    return found

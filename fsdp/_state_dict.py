@@ -36,6 +36,7 @@ from fsdp import _comm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
 from fsdp._runtime import FSDPState
 from fsdp._unshard_params import SummonedUnit, ensure_initialized
+from fsdp._utils import _replace_by_prefix
 from fsdp.api import FullStateDictConfig, StateDictType
 
 
@@ -81,10 +82,7 @@ def _clean_entries(state_dict: dict[str, Any], prefix: str) -> list[str]:
 
 def _prefix_entries(state_dict: dict[str, Any], prefix: str) -> None:
     """Inserts the wrapper prefix into the keys under ``prefix``."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix) :]
-        if not rest.startswith(FSDP_PREFIX):
-            state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
+    _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
 
 
 def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Tensor:
