@@ -106,6 +106,7 @@ if IMPL == "torch":
         transformer_auto_wrap_policy,
         wrap,
     )
+    from torch.distributed.utils import _apply_to_tensors, _replace_by_prefix
 
     _TorchFSDP = _torch_fsdp.FullyShardedDataParallel
     _SIGNATURE = inspect.signature(_TorchFSDP.__init__)
@@ -178,6 +179,7 @@ else:
     )
     from fsdp._init import _init_intra_and_inter_node_groups
     from fsdp._runtime import HOMOGENEOUS_ATTR_NAMES
+    from fsdp._utils import _apply_to_tensors, _replace_by_prefix
     from fsdp.sharded_grad_scaler import ShardedGradScaler
     from fsdp.wrap import (
         CustomPolicy,
@@ -274,10 +276,12 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "_Policy",
+    "_apply_to_tensors",
     "_get_handle_fqns_from_root",
     "_get_training_state",
     "_init_intra_and_inter_node_groups",
     "_or_policy",
+    "_replace_by_prefix",
     "_validate_frozen_params",
     "assert_torch_refuses_cpu_offload",
     "_wrap_module_cls_individually",
