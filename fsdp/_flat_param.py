@@ -522,11 +522,16 @@ class FlatParamHandle:
                 self.views.forget_grads()
         if skip_check:
             return
-        wrote = self.views.writeback(self.flat_param, self.grads)
-        if wrote and not self.is_unsharded():
+        written = self.views.writeback(self.flat_param, self.grads)
+        if self.is_unsharded() or not (written.params or written.grads):
+            return
+        if written.params:
+            # The kept unsharded copy is stale. Only parameters: a gradient
+            # edit, which may happen on some ranks only, must not decide
+            # whether the next unshard all-gathers (the ranks would diverge).
             self.storage.free_unsharded()
             self.views.show_resharded(self.flat_param._local_shard)
-            self._show_grads()
+        self._show_grads()
 
     # -- gradients ---------------------------------------------------------------------------------
 

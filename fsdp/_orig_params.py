@@ -40,6 +40,7 @@ the flat parameter for the life of the model.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +50,13 @@ from fsdp._grads import FlatParamGrads, assign_grad
 from fsdp._layout import FlatParamLayout, ParamInfo, ShardLayout
 from fsdp._placeholder import ShardedParamPlaceholder
 from fsdp._storage import FlatParameter, same_storage
+
+
+class Written(NamedTuple):
+    """What a writeback copied into the flat parameter and its gradient."""
+
+    params: bool
+    grads: bool
 
 
 class ViewMode(enum.Enum):
@@ -340,21 +348,25 @@ class OrigParamViews:
 
     # -- writeback -------------------------------------------------------------------------------
 
-    def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> bool:
+    def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> Written:
         """Copies user changes of original parameters (``.data`` or a new
         Parameter) and of their gradients into the flat parameter's shard and
-        gradient; returns whether anything was written (see [Note: Cheap
-        between-use bookkeeping] for the fast path)."""
+        gradient; says what was written (see [Note: Cheap between-use
+        bookkeeping] for the fast path)."""
         if self._unchanged(flat_param):
-            return False
-        wrote = False
+            return Written(False, False)
+        params = grads_written = False
         for i, info in enumerate(self.layout.param_infos):
             if self.shard.param_range(i) is None or not hasattr(info.module, info.param_name):
                 continue
-            wrote |= self._writeback_param(i, info, flat_param)
+            params |= self._writeback_param(i, info, flat_param)
             if self.mode is not ViewMode.KEPT_FORWARD:
-                wrote |= self._writeback_grad(i, flat_param, grads)
-        return wrote
+                grads_written |= self._writeback_grad(i, flat_param, grads)
+        if grads_written:
+            # A user's tensor (or a view whose .data the user replaced) was
+            # copied: the next showing builds fresh views of the flat gradient.
+            self._grad_views = None
+        return Written(params, grads_written)
 
     def _unchanged(self, flat_param: FlatParameter) -> bool:
         """Every name still holds the parameter last shown, viewing the same memory,
