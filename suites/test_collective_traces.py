@@ -142,45 +142,234 @@ class TestCollectiveTraces(_Traces):
         """FULL_SHARD (BACKWARD_PRE): each unit gathered in forward and, but the root,
         again in backward; one reduce-scatter per unit."""
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_full_shard_backward_post(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_POST,
         )
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_full_shard_no_backward_prefetch(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, backward_prefetch=None)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_full_shard_forward_prefetch(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, forward_prefetch=True)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_shard_grad_op(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_no_shard(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.NO_SHARD)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+step 0 backward
+  all_reduce     float32    76 -> 76   group 2 stride 1
+  all_reduce     float32    58 -> 58   group 2 stride 1
+  all_reduce     float32    26 -> 26   group 2 stride 1
+step 1 forward
+step 1 backward
+  all_reduce     float32    76 -> 76   group 2 stride 1
+  all_reduce     float32    58 -> 58   group 2 stride 1
+  all_reduce     float32    26 -> 26   group 2 stride 1
+""")
 
     def test_full_shard_no_sync(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, microbatches=2)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 microbatch 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 microbatch 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+step 0 microbatch 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 microbatch 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 microbatch 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 microbatch 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+step 1 microbatch 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 microbatch 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_shard_grad_op_no_sync(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, microbatches=2)
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 microbatch 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 microbatch 0 backward
+step 0 microbatch 1 forward
+step 0 microbatch 1 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 microbatch 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 microbatch 0 backward
+step 1 microbatch 1 forward
+step 1 microbatch 1 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
     def test_full_shard_mixed_precision(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
         )
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float16    13 -> 26   group 2 stride 1
+  all_gather     float16    29 -> 58   group 2 stride 1
+  all_gather     float16    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float16    38 -> 76   group 2 stride 1
+  all_gather     float16    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float16    13 -> 26   group 2 stride 1
+  all_gather     float16    29 -> 58   group 2 stride 1
+  all_gather     float16    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float16    38 -> 76   group 2 stride 1
+  all_gather     float16    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""")
 
 
 def _two_by_two(rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -199,11 +388,61 @@ class TestHybridCollectiveTraces(_Traces):
         trace = self._trace(
             sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=_two_by_two(self.rank)
         )
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_reduce     float32    38 -> 38   group 2 stride 2
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  all_reduce     float32    29 -> 29   group 2 stride 2
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+  all_reduce     float32    13 -> 13   group 2 stride 2
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_reduce     float32    38 -> 38   group 2 stride 2
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  all_reduce     float32    29 -> 29   group 2 stride 2
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+  all_reduce     float32    13 -> 13   group 2 stride 2
+""")
 
     def test_hybrid_shard_zero2(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2,
             process_group=_two_by_two(self.rank),
         )
-        self.assertExpectedInline(trace, """""")
+        self.assertExpectedInline(trace, """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 0 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_reduce     float32    38 -> 38   group 2 stride 2
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  all_reduce     float32    29 -> 29   group 2 stride 2
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+  all_reduce     float32    13 -> 13   group 2 stride 2
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+step 1 backward
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  all_reduce     float32    38 -> 38   group 2 stride 2
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  all_reduce     float32    29 -> 29   group 2 stride 2
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+  all_reduce     float32    13 -> 13   group 2 stride 2
+""")
