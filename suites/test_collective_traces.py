@@ -142,7 +142,9 @@ class TestCollectiveTraces(_Traces):
         """FULL_SHARD (BACKWARD_PRE): each unit gathered in forward and, but the root,
         again in backward; one reduce-scatter per unit."""
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -163,14 +165,17 @@ step 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_full_shard_backward_post(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             backward_prefetch=BackwardPrefetch.BACKWARD_POST,
         )
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -191,11 +196,14 @@ step 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_full_shard_no_backward_prefetch(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, backward_prefetch=None)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -216,11 +224,14 @@ step 1 backward
   all_gather     float32    29 -> 58   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_full_shard_forward_prefetch(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, forward_prefetch=True)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -241,11 +252,14 @@ step 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_shard_grad_op(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -262,11 +276,14 @@ step 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_no_shard(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.NO_SHARD)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
 step 0 backward
   all_reduce     float32    76 -> 76   group 2 stride 1
@@ -277,11 +294,14 @@ step 1 backward
   all_reduce     float32    76 -> 76   group 2 stride 1
   all_reduce     float32    58 -> 58   group 2 stride 1
   all_reduce     float32    26 -> 26   group 2 stride 1
-""")
+""",
+        )
 
     def test_full_shard_no_sync(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.FULL_SHARD, microbatches=2)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 microbatch 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -316,11 +336,14 @@ step 1 microbatch 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_shard_grad_op_no_sync(self) -> None:
         trace = self._trace(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, microbatches=2)
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 microbatch 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -341,14 +364,17 @@ step 1 microbatch 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
     def test_full_shard_mixed_precision(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
         )
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float16    13 -> 26   group 2 stride 1
   all_gather     float16    29 -> 58   group 2 stride 1
@@ -369,7 +395,8 @@ step 1 backward
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1
-""")
+""",
+        )
 
 
 def _two_by_two(rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -388,7 +415,9 @@ class TestHybridCollectiveTraces(_Traces):
         trace = self._trace(
             sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=_two_by_two(self.rank)
         )
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -415,14 +444,17 @@ step 1 backward
   all_reduce     float32    29 -> 29   group 2 stride 2
   reduce_scatter float32    26 -> 13   group 2 stride 1
   all_reduce     float32    13 -> 13   group 2 stride 2
-""")
+""",
+        )
 
     def test_hybrid_shard_zero2(self) -> None:
         trace = self._trace(
             sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2,
             process_group=_two_by_two(self.rank),
         )
-        self.assertExpectedInline(trace, """\
+        self.assertExpectedInline(
+            trace,
+            """\
 step 0 forward
   all_gather     float32    13 -> 26   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
@@ -445,4 +477,5 @@ step 1 backward
   all_reduce     float32    29 -> 29   group 2 stride 2
   reduce_scatter float32    26 -> 13   group 2 stride 1
   all_reduce     float32    13 -> 13   group 2 stride 2
-""")
+""",
+        )
