@@ -136,6 +136,11 @@ class MissingFromImplementation(ImportError):
     """A public FSDP name the implementation under test does not have."""
 
 
+class UnavailablePart(unittest.SkipTest, AttributeError):
+    """A private part of ours and torch's FSDP that the implementation under test
+    does not have: the test using it is skipped."""
+
+
 class PublicAPI:
     """The public FSDP1 names one implementation's module exposes (see the module note)."""
 
@@ -163,6 +168,11 @@ class PublicAPI:
                 raise  # the submodule exists but fails to import
             return None
 
+    def require(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            if name not in self.found:
+                raise self.missing(name)
+
     def missing(self, name: str) -> MissingFromImplementation:
         return MissingFromImplementation(
             f"the FSDP under test ({self.impl.describe()}, {self.impl.origin}) has no "
@@ -180,9 +190,7 @@ def _defines(place: ModuleType, name: str) -> bool:
 IMPLEMENTATION: Implementation = resolve(os.environ.get(IMPL_ENV, "local"))
 IMPL: str = IMPLEMENTATION.kind
 _PUBLIC = PublicAPI(IMPLEMENTATION)
-for _name in REQUIRED:
-    if _name not in _PUBLIC.found:
-        raise _PUBLIC.missing(_name)
+_PUBLIC.require(REQUIRED)
 globals().update(_PUBLIC.found)
 
 
@@ -300,23 +308,24 @@ elif IMPL == "local":
 else:
 
     class _Unavailable(type):
-        """A private name the implementation under test lacks: using it skips the test."""
+        """A private name the implementation under test lacks: using it skips the test
+        (an ``AttributeError`` too, so ``hasattr`` answers False)."""
 
         reason: str
 
         def __getattr__(cls, name: str) -> Any:
-            if name.startswith("_"):  # probed by tools (pytest, inspect, isolation)
+            if name.startswith("__"):  # Python's and tools' protocol probes
                 raise AttributeError(name)
-            raise unittest.SkipTest(cls.reason)
+            raise UnavailablePart(cls.reason)
 
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-            raise unittest.SkipTest(cls.reason)
+            raise UnavailablePart(cls.reason)
 
         def __instancecheck__(cls, obj: object) -> bool:
-            raise unittest.SkipTest(cls.reason)
+            raise UnavailablePart(cls.reason)
 
         def __iter__(cls) -> Any:
-            raise unittest.SkipTest(cls.reason)
+            raise UnavailablePart(cls.reason)
 
     def _unavailable(name: str) -> Any:
         reason = (
@@ -370,6 +379,7 @@ __all__ = [
     "PUBLIC_NAMES",
     "REQUIRED",
     "MissingFromImplementation",
+    "UnavailablePart",
     "Seams",
     "NO_RESHARD_AFTER_FORWARD_STRATEGIES",
     "SEAMS",
