@@ -473,6 +473,7 @@ class FlatParamHandle:
         if self.flat_param.grad is not None and not self.is_unsharded():
             if self.views.all_grads_cleared():
                 self.grads.clear()  # zero_grad(set_to_none=True) on the originals
+                self.views.forget_grads()
         if skip_check:
             return
         wrote = self.views.writeback(self.flat_param, self.grads)

@@ -281,6 +281,7 @@ class OrigParamViews:
 
     def _sharded_grad_views(self, grad: Tensor | None) -> list[Tensor | None] | None:
         if grad is None:
+            self._grad_views = None
             return None
         if self._grad_views is None or self._grad_views[0] is not grad:
             views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
@@ -297,6 +298,12 @@ class OrigParamViews:
     def fresh_grads(self) -> None:
         """A newly reduced gradient covers every parameter again."""
         self._grad_none = [False] * self.layout.num_params
+
+    def forget_grads(self) -> None:
+        """The flat gradient was cleared: the cached views must not keep its
+        memory alive (a whole flat gradient per unit through the next forward
+        and backward)."""
+        self._grad_views = None
 
     def all_grads_cleared(self) -> bool:
         return all(p.grad is None for p in self.params if p.requires_grad)
