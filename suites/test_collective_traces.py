@@ -33,6 +33,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,9 +51,10 @@ from harness.collectives import CollectiveCall, CollectiveRecorder
 
 STEPS = 2
 FOREIGN_SKIP = (
-    "the golden traces are of this project's FSDP (and of torch's where identical); "
+    "the golden traces are of this project's FSDP and torch's (which issues the same); "
     "another implementation may schedule its collectives differently and be correct"
 )
+pytestmark = pytest.mark.skipif(IMPL not in ("local", "torch"), reason=FOREIGN_SKIP)
 
 
 class _Block(nn.Module):
@@ -99,10 +101,7 @@ def _debug_off() -> Iterator[None]:
 class _Traces(FSDPTest):
     def _trace(self, microbatches: int = 1, **fsdp_kwargs: Any) -> str:
         """The collectives of ``STEPS`` steps of ``_Net`` under ``FSDP(**fsdp_kwargs)``;
-        with ``microbatches`` > 1 all but the last run under ``no_sync()``. Skips for
-        implementations other than ours and torch's (see the module note)."""
-        if IMPL not in ("local", "torch"):
-            self.skipTest(FOREIGN_SKIP)
+        with ``microbatches`` > 1 all but the last run under ``no_sync()``."""
         torch.manual_seed(0)
         model = FSDP(
             _Net().to(self.device), auto_wrap_policy=ModuleWrapPolicy({_Block}), **fsdp_kwargs
