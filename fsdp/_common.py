@@ -10,6 +10,9 @@ inside the runtime:
 - ``FSDP_SKIP_WRITEBACK_CHECK=1``: with ``use_orig_params=True``, do not check
   before each unshard whether the user replaced or resized an original
   parameter or its gradient (saves the check; changes are then not written back).
+- ``FSDP_USE_UNSAFE_SETATTR=1``: set the original parameter names directly in
+  the module's dicts, bypassing ``__setattr__`` overrides of its class (by
+  default ``delattr`` and ``setattr`` go through them, as ``nn.Module`` checks do).
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read through ``dist.get_debug_level()``,
   which ``dist.set_debug_level`` also sets): check the forward order across
   ranks (see [Note: Checking the forward order across ranks] in fsdp._exec_order).
@@ -36,13 +39,14 @@ _CHECKPOINT_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
+_FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 
 # Strategies that keep the unsharded parameter from forward to backward (torch's name).
 NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
     ShardingStrategy.SHARD_GRAD_OP,
     ShardingStrategy._HYBRID_SHARD_ZERO2,
 )
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+HYBRID_SHARDING_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 class ProcessGroups(NamedTuple):
@@ -59,6 +63,7 @@ class ProcessGroups(NamedTuple):
 class EnvSwitches(NamedTuple):
     use_full_prec_in_eval: bool
     skip_writeback_check: bool
+    use_unsafe_setattr: bool
     check_exec_order: bool
 
     @classmethod
@@ -66,6 +71,7 @@ class EnvSwitches(NamedTuple):
         return cls(
             os.environ.get(_FSDP_USE_FULL_PREC_IN_EVAL) == "1",
             os.environ.get(_FSDP_SKIP_WRITEBACK_CHECK) == "1",
+            os.environ.get(_FSDP_USE_UNSAFE_SETATTR) == "1",
             dist.get_debug_level() == dist.DebugLevel.DETAIL,
         )
 

@@ -90,7 +90,7 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 from torch.distributed._shard.sharding_spec import ShardMetadata
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp import _comm
@@ -98,7 +98,7 @@ from fsdp._common import clean_tensor_name
 from fsdp._flat_param import FlatParamHandle
 from fsdp._layout import FlatParamLayout
 from fsdp._runtime import FSDPState
-from fsdp._state_dict import _row_shard
+from fsdp._state_dict import _row_shard, full_tensor
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp.api import OptimStateKeyType
 
@@ -488,30 +488,8 @@ def _gathered(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
     out = dict(state)
     for name, value in _sorted_items(state):
         if isinstance(value, (ShardedTensor, DTensor)):
-            out[name] = _full_tensor(value, device)
+            out[name] = full_tensor(value, device)
     return out
-
-
-def _full_tensor(value: Tensor, device: torch.device) -> Tensor:
-    """The full tensor of a ``ShardedTensor`` / ``DTensor`` chunked by rows (see
-    [Note: Three forms of optimizer state]), all-gathered over the group it is
-    chunked over, so also into another wrapping."""
-    if isinstance(value, DTensor):
-        if all(isinstance(p, Replicate) for p in value.placements):
-            return value.to_local()
-        group, local = value.device_mesh.get_group(value.device_mesh.ndim - 1), value.to_local()
-    else:
-        assert isinstance(value, ShardedTensor)
-        shards = value.local_shards()
-        group, local = value._process_group, shards[0].tensor if shards else None
-    shape = value.shape
-    rows = math.ceil(shape[0] / group.size())
-    chunk = torch.zeros((rows, *shape[1:]), dtype=value.dtype, device=device)
-    if local is not None:
-        chunk[: local.shape[0]].copy_(local)
-    full = chunk.new_empty(chunk.numel() * group.size())
-    _comm.all_gather(full, chunk.reshape(-1), group)
-    return full[: shape.numel()].view(shape)
 
 
 def _placement(global_rank: int, device: torch.device) -> str:

@@ -13,6 +13,14 @@ assignment, a new Parameter, a new ``.grad``) are written back into the flat
 parameter. Strategies that do not reshard after forward keep forward's views
 until backward; changing a parameter in between is an error.
 
+[Note: Setting the original names]
+By default the names are set with ``delattr`` and ``setattr``, through
+``nn.Module``'s checks and any ``__setattr__`` override of the module's class,
+as torch's FSDP does. ``FSDP_USE_UNSAFE_SETATTR=1`` (read when a unit is built)
+writes the module's dicts directly instead, bypassing overrides. Forward's views
+with ``use_orig_params`` are always written in place in ``_parameters`` (the
+order of ``named_parameters()`` is kept).
+
 [Note: Cheap between-use bookkeeping]
 Every unit re-points its original names after each reshard and checks them
 for user changes before each unshard, twice per iteration: with many small
@@ -52,16 +60,29 @@ class ViewMode(enum.Enum):
     UNSHARDED_PARAMS = enum.auto()  # summon_full_params, state dicts: Parameter views
 
 
-def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
+    """See [Note: Setting the original names]."""
+    if safe:
+        _safe_setattr(module, name, param)
+        return
     module._parameters[name] = param
     # The instance dict wins over nn.Module.__getattr__ (and subclass
     # __setattr__ overrides are bypassed).
     object.__setattr__(module, name, param)
 
 
-def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None:
+    if safe:
+        _safe_setattr(module, name, tensor)
+        return
     module._parameters.pop(name, None)
     object.__setattr__(module, name, tensor)
+
+
+def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, value)
 
 
 def _check_writeback_shape(tensor: Tensor, expected: torch.Size, is_param: bool) -> None:
@@ -79,6 +100,7 @@ class OrigParamViews:
     layout: FlatParamLayout
     shard: ShardLayout
     use_orig_params: bool
+    safe_setattr: bool  # see [Note: Setting the original names]
     params: list[nn.Parameter]  # the original parameters (use_orig_params only)
     mode: ViewMode
     _forward_tensors: list[Tensor | None]  # forward's views, reused in backward
@@ -96,10 +118,12 @@ class OrigParamViews:
         shard: ShardLayout,
         params: tuple[nn.Parameter, ...],
         use_orig_params: bool,
+        safe_setattr: bool,
     ) -> None:
         self.layout = layout
         self.shard = shard
         self.use_orig_params = use_orig_params
+        self.safe_setattr = safe_setattr
         self.params = list(params) if use_orig_params else []
         self.mode = ViewMode.UNSHARDED_PARAMS  # the module's own parameters, until sharded
         self._forward_tensors = [None] * layout.num_params
@@ -150,7 +174,7 @@ class OrigParamViews:
             param.data = view
         else:
             param = nn.Parameter(view, requires_grad=requires_grad)
-        set_param(info.module, info.param_name, param)
+        set_param(info.module, info.param_name, param, self.safe_setattr)
 
     def _forward_views_fit(self, flat: Tensor) -> bool:
         """Every forward view exists and still views its part of ``flat``."""
@@ -169,7 +193,7 @@ class OrigParamViews:
 
     def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
         if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, tensor)
+            set_tensor(info.module, info.param_name, tensor, self.safe_setattr)
             return
         # Stays listed (in place, so the order of ``named_parameters()`` is kept):
         # forward code may look its parameters up by name.
@@ -192,9 +216,9 @@ class OrigParamViews:
         for info in self.layout.shared_param_infos:
             prim = getattr(info.prim_module, info.prim_param_name)
             if isinstance(prim, nn.Parameter):
-                set_param(info.module, info.param_name, prim)
+                set_param(info.module, info.param_name, prim, self.safe_setattr)
             else:
-                set_tensor(info.module, info.param_name, prim)
+                set_tensor(info.module, info.param_name, prim, self.safe_setattr)
 
     def keep_forward_views(self, home: Tensor) -> None:
         """No-reshard strategies: forward's views stay until backward."""
@@ -217,7 +241,7 @@ class OrigParamViews:
             self._show_shard_views(local_shard)
         else:
             for info, placeholder in zip(self.layout.param_infos, self._placeholders):
-                set_tensor(info.module, info.param_name, placeholder)
+                set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
@@ -237,22 +261,28 @@ class OrigParamViews:
             assert view is not None
             if self.use_orig_params:
                 self._point(i, view)
-                set_param(info.module, info.param_name, self.params[i])
+                set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
             else:
-                set_tensor(info.module, info.param_name, view)
+                set_tensor(info.module, info.param_name, view, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, local_shard: Tensor) -> None:
         views = self._resharded_views(local_shard)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             self._point(i, view if view is not None else local_shard.new_empty(0))
-            set_param(info.module, info.param_name, self.params[i])
+            set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
         self._alias_shared()
 
     def _point(self, i: int, view: Tensor) -> None:
-        """``params[i].data = view`` unless it already views that memory."""
+        """``params[i].data = view`` unless it already views that memory (an empty
+        view has no memory: its dtype and device must match, e.g. after ``.half()``)."""
         param = self.params[i]
-        if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+        if (
+            param.data_ptr() != view.data_ptr()
+            or param.shape != view.shape
+            or param.dtype != view.dtype
+            or param.device != view.device
+        ):
             param.data = view
         self._shown_ptrs[i] = param.data_ptr()
 
@@ -337,7 +367,7 @@ class OrigParamViews:
         )
         for i, info in enumerate(self.layout.param_infos):
             param = self.params[i]
-            if info.module.__dict__.get(info.param_name) is not param:
+            if self._shown_under(info) is not param:
                 return False
             if param.data_ptr() != self._shown_ptrs[i]:
                 return False
@@ -349,6 +379,13 @@ class OrigParamViews:
             if grad is not None and grad.data_ptr() != self._grad_ptrs[i]:
                 return False  # ``.grad.data`` was replaced
         return True
+
+    def _shown_under(self, info: ParamInfo) -> object:
+        """What the module holds under the name, where ``set_param`` put it
+        (see [Note: Setting the original names])."""
+        if self.safe_setattr:
+            return info.module._parameters.get(info.param_name)
+        return info.module.__dict__.get(info.param_name)
 
     def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
         current = getattr(info.module, info.param_name)

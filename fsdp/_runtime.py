@@ -23,6 +23,16 @@
 Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
 returns; the next synchronised backward reduces the accumulated sum.
 
+[Note: Forward inputs keep their identity]
+The root moves inputs to the compute device through lists, tuples, dicts,
+namedtuples (a ``PackedSequence`` too) and the other pytree containers; units
+cast them (mixed precision) and hook outputs through what ``_apply_to_tensors``
+reaches (dataclasses and sets as well, see fsdp._utils). When no tensor of an
+argument needed changing, the module gets the caller's objects themselves, not
+rebuilt copies: a module may add to a list or dict it is given and the caller
+may look (torch's ``_recursive_to`` after its fix for this, pytorch#157832).
+When one did, the containers on its path are rebuilt.
+
 [Note: FSDP under torch.compile]
 Compiling a model that FSDP wraps compiles the modules' own computation; the
 FSDP hooks (unshard, reshard, reduce) run eagerly: dynamo breaks the graph at
@@ -55,7 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp import _comm, _registry
 from fsdp._common import (
@@ -73,6 +83,7 @@ from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._storage import free_storage
 from fsdp._streams import CommStreams
+from fsdp._utils import _apply_to_tensors
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -84,6 +95,10 @@ from fsdp.api import (
     StateDictSettings,
     StateDictType,
 )
+
+# The attributes every unit of one tree must agree on (torch's names; the
+# process group is not one of them, for hybrid sharding and MoE).
+HOMOGENEOUS_ATTR_NAMES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,6 +118,10 @@ class UnitConfig:
     limit_all_gathers: bool
     use_orig_params: bool
     env: EnvSwitches
+
+    def homogeneous_values(self) -> tuple[bool, bool, bool]:
+        """The values of ``HOMOGENEOUS_ATTR_NAMES``, in that order."""
+        return (self.use_orig_params, self.limit_all_gathers, self.env.use_full_prec_in_eval)
 
     @property
     def keeps_unsharded_after_forward(self) -> bool:
@@ -181,14 +200,23 @@ def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
-    return tree_map_only(Tensor, cast, args), tree_map_only(Tensor, cast, kwargs)
+    cast_args, cast_kwargs = _apply_to_tensors(cast, (args, kwargs))
+    return cast_args, cast_kwargs
 
 
 def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    def move(t: Tensor) -> Tensor:
-        return t if t.device == device else t.to(device)
+    """See [Note: Forward inputs keep their identity]."""
 
-    return tree_map_only(Tensor, move, args), tree_map_only(Tensor, move, kwargs)
+    def move(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        moved = [
+            x.to(device) if isinstance(x, Tensor) and x.device != device else x for x in leaves
+        ]
+        if all(new is old for new, old in zip(moved, leaves)):
+            return tree
+        return tree_unflatten(moved, spec)
+
+    return move(args), move(kwargs)
 
 
 class FSDPState:
@@ -284,6 +312,7 @@ class FSDPState:
         if self.is_root is not None:
             return
         states = self.subtree_states()
+        _check_homogeneous(states)
         context = RootContext.of(self, states)
         for state in states:
             state.is_root = state is self
@@ -302,6 +331,7 @@ class FSDPState:
         if handle is not None:
             self._check_flat_param_device(handle)
             handle.lazy_init()
+            handle.find_optimizers_in_backward()
         for module, name in self.buffers:
             buffer = module._buffers[name]
             if buffer is not None:
@@ -353,6 +383,8 @@ class FSDPState:
             context.exec_order.begin_root_forward()
             for state in context.states:
                 state._cast_buffers()
+                if state.handle is not None:
+                    state.handle.sync_requires_grad()
                 if self.config.forward_prefetch and state.handle is not None:
                     state.handle.prefetched = False
             args, kwargs = _to_device(self.compute_device, args, kwargs)
@@ -379,6 +411,7 @@ class FSDPState:
             handle._use_unsharded_views(as_params=False)
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
+                self._register_post_backward_reshard_only_hook(handle, args, kwargs)
             self._prefetch_after(handle)
         return args, kwargs
 
@@ -413,12 +446,25 @@ class FSDPState:
                 tensor.register_hook(self._make_pre_backward_hook(handle))
             return tensor
 
-        return tree_map_only(Tensor, register, output)
+        return _apply_to_tensors(register, output)
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
         (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
         handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+
+    def _register_post_backward_reshard_only_hook(
+        self, handle: FlatParamHandle, args: Any, kwargs: Any
+    ) -> None:
+        """A unit whose flat parameter needs no gradient has no post-backward
+        hook: it reshards once the gradients of its inputs are computed (all
+        gradients that need its parameters are then done). Inputs that need no
+        gradient leave it to the end of backward."""
+        if handle.flat_param.requires_grad:
+            return
+        inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        if inputs:
+            handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
 
     # -- backward ------------------------------------------------------------------------
 
@@ -458,9 +504,10 @@ class FSDPState:
             handle.end_backward()
             if handle.flat_param.grad is None:
                 return
-            self.reshard(handle, free=self._frees_in_backward())
             if in_backward:
-                self._prefetch_after(handle)
+                self._post_backward_reshard(handle)
+            else:
+                self.reshard(handle, free=self._frees_in_backward())
             if not self.sync_gradients:
                 handle.keep_unsharded_grad()
                 return
@@ -471,6 +518,26 @@ class FSDPState:
         the strategies that keep it from forward to backward: the next forward
         then needs no all-gather (torch's trade of memory for speed)."""
         return self.sync_gradients or not self.config.keeps_unsharded_after_forward
+
+    def _make_reshard_only_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
+        def hook() -> None:
+            self._post_backward_reshard_only(handle)
+
+        return hook
+
+    @_eager
+    def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
+        with profiler_label("FSDP::post_backward_reshard_only"):
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle.end_backward()
+            self._post_backward_reshard(handle)
+
+    def _post_backward_reshard(self, handle: FlatParamHandle) -> None:
+        """Reshards after the unit's backward and prefetches. Runs once per unit
+        and backward, from its post-backward hook or its reshard-only hook, never
+        from the end of backward: tests count it."""
+        self.reshard(handle, free=self._frees_in_backward())
+        self._prefetch_after(handle)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
         grad = handle.take_unsharded_grad()
@@ -484,6 +551,8 @@ class FSDPState:
             else:
                 reduced = self._hook_reduce(handle, grad)
             handle.set_reduced_grad(reduced)
+            if handle.has_optim_in_backward:
+                handle.step_optimizers_in_backward()
 
     def _default_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
         """Averages over the data-parallel ranks, dividing in two steps (see
@@ -703,8 +772,28 @@ class FSDPState:
             )
 
 
+def _check_homogeneous(states: list[FSDPState]) -> None:
+    """Torch's check at lazy initialisation, with its message."""
+    for i, name in enumerate(HOMOGENEOUS_ATTR_NAMES):
+        values = {state.config.homogeneous_values()[i] for state in states}
+        if len(values) != 1:
+            raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
+
+
 def _needs_grad(output: Any) -> bool:
     """Whether any tensor of a forward's output needs a gradient (its backward will run)."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output))
+    return any(t.requires_grad for t in _tensors_in(output))
+
+
+def _tensors_in(tree: Any) -> list[Tensor]:
+    """Every tensor of ``tree``, found as ``_apply_to_tensors`` finds them."""
+    found: list[Tensor] = []
+
+    def visit(tensor: Tensor) -> Tensor:
+        found.append(tensor)
+        return tensor
+
+    _apply_to_tensors(visit, tree)
+    return found

@@ -24,14 +24,19 @@ are saved in their original dtype (they may live in ``buffer_dtype``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from fsdp import _comm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
 from fsdp._runtime import FSDPState
 from fsdp._unshard_params import SummonedUnit, ensure_initialized
+from fsdp._utils import _replace_by_prefix
 from fsdp.api import FullStateDictConfig, StateDictType
 
 
@@ -77,10 +82,7 @@ def _clean_entries(state_dict: dict[str, Any], prefix: str) -> list[str]:
 
 def _prefix_entries(state_dict: dict[str, Any], prefix: str) -> None:
     """Inserts the wrapper prefix into the keys under ``prefix``."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix) :]
-        if not rest.startswith(FSDP_PREFIX):
-            state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
+    _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
 
 
 def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Tensor:
@@ -136,8 +138,8 @@ class _ShardedStateDict(_FullStateDict):
         keys = _UnitKeys(unit.state, prefix)
         for key in sorted(keys.params, key=keys.params.__getitem__):
             value = state_dict.get(key)
-            if value is not None and hasattr(value, "full_tensor"):
-                state_dict[key] = value.full_tensor()
+            if isinstance(value, (ShardedTensor, DTensor)):
+                state_dict[key] = full_tensor(value, unit.state.compute_device)
         super().pre_load(unit, state_dict, prefix)
 
 
@@ -157,6 +159,30 @@ def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
     )
+
+
+def full_tensor(value: Tensor, device: torch.device) -> Tensor:
+    """The full tensor of a ``ShardedTensor`` / ``DTensor`` chunked by rows
+    (``torch.chunk`` over dim 0), all-gathered through ``fsdp._comm`` over the
+    group it is chunked over, so also into another wrapping. (``DTensor.full_tensor``
+    would bypass the seam, and its functional collectives keep the group
+    referenced after it is destroyed.)"""
+    if isinstance(value, DTensor):
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return value.to_local()
+        group, local = value.device_mesh.get_group(value.device_mesh.ndim - 1), value.to_local()
+    else:
+        assert isinstance(value, ShardedTensor)
+        shards = value.local_shards()
+        group, local = value._process_group, shards[0].tensor if shards else None
+    shape = value.shape
+    rows = math.ceil(shape[0] / group.size())
+    chunk = torch.zeros((rows, *shape[1:]), dtype=value.dtype, device=device)
+    if local is not None:
+        chunk[: local.shape[0]].copy_(local)
+    full = chunk.new_empty(chunk.numel() * group.size())
+    _comm.all_gather(full, chunk.reshape(-1), group)
+    return full[: shape.numel()].view(shape)
 
 
 class _LocalStateDict:

@@ -12,7 +12,13 @@ from torch import Tensor, nn
 
 from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, HYBRID_STRATEGIES, TrainingState, profiler_label
+from fsdp._common import (
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    HYBRID_SHARDING_STRATEGIES,
+    TrainingState,
+    profiler_label,
+)
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
@@ -168,6 +174,18 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def _use_orig_params(self) -> bool:
         return self._state.config.use_orig_params
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return self._state.config.limit_all_gathers
+
+    @property
+    def _use_full_prec_in_eval(self) -> bool:
+        return self._state.config.env.use_full_prec_in_eval
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._state.compute_device
 
     @property
     def _is_root(self) -> bool | None:
@@ -542,7 +560,7 @@ class FullyShardedDataParallel(nn.Module):
         units = states_in(self, recurse=True)
         for unit in units:
             strategy = unit.config.sharding_strategy
-            if strategy in HYBRID_STRATEGIES:
+            if strategy in HYBRID_SHARDING_STRATEGIES:
                 raise AssertionError(
                     f"Communication hook is not supported for hybrid strategies: {strategy}"
                 )

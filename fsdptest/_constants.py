@@ -8,3 +8,6 @@ TORCH_CPU_OFFLOAD_SKIP = (
     "(CPUOffload(offload_params=True) pins memory and synchronizes accelerator streams; "
     "torch 2.13 raises 'Cannot access accelerator device when none is available')"
 )
+
+# What torch's FSDP raises when asked to offload parameters without an accelerator.
+TORCH_CPU_OFFLOAD_ERROR = "Cannot access accelerator device when none is available"

@@ -36,7 +36,10 @@ gives none, so seed tests run unchanged on CPU; ``isinstance`` checks against it
 accept every torch FSDP instance (auto-wrapped children are built from torch's
 own class). Torch's FSDP cannot offload parameters to the CPU without an
 accelerator (it pins memory and synchronises accelerator streams); such a
-configuration is skipped with ``TORCH_CPU_OFFLOAD_SKIP`` as the reason.
+configuration is skipped with ``TORCH_CPU_OFFLOAD_SKIP`` as the reason, or,
+where a suite asserts the limitation instead (``torch_refuses_cpu_offload``),
+``assert_torch_refuses_cpu_offload`` checks that torch's own class raises
+``TORCH_CPU_OFFLOAD_ERROR`` when built so.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_SKIP
+from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_ERROR, TORCH_CPU_OFFLOAD_SKIP
 from fsdptest.implementations import Implementation, resolve
 from harness import current_device
 
@@ -212,6 +215,7 @@ class Seams:
     register_pre_backward_hooks: str
     register_post_backward_hook: str
     reshard: str
+    post_backward_reshard: str  # once per unit and backward, from its post-backward hooks
     get_handle_to_prefetch: str
     """Called as ``(state, current_handle)`` in each unit's forward, pre- and
     post-backward; returns the handle to prefetch, or None."""
@@ -226,15 +230,25 @@ if IMPL == "torch":
     from torch.distributed.fsdp._flat_param import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
+        _FSDP_USE_UNSAFE_SETATTR,
         FlatParameter,
         FlatParamHandle,
         FlatParamShardMetadata,
         HandleShardingStrategy,
         HandleTrainingState,
     )
-    from torch.distributed.fsdp._init_utils import NO_RESHARD_AFTER_FORWARD_STRATEGIES
-    from torch.distributed.fsdp._runtime_utils import _get_training_state
+    from torch.distributed.fsdp._init_utils import (
+        HYBRID_SHARDING_STRATEGIES,
+        NO_RESHARD_AFTER_FORWARD_STRATEGIES,
+        _init_intra_and_inter_node_groups,
+    )
+    from torch.distributed.fsdp._runtime_utils import (
+        HOMOGENEOUS_ATTR_NAMES,
+        _get_training_state,
+    )
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
+    from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
+    from torch.distributed.utils import _apply_to_tensors, _replace_by_prefix
 
     _TorchFSDP = _torch_fsdp.FullyShardedDataParallel
     _SIGNATURE = inspect.signature(_TorchFSDP.__init__)
@@ -268,12 +282,16 @@ if IMPL == "torch":
         register_pre_backward_hooks="torch.distributed.fsdp._runtime_utils._register_pre_backward_hooks",
         register_post_backward_hook="torch.distributed.fsdp._runtime_utils._register_post_backward_hook",
         reshard="torch.distributed.fsdp._runtime_utils._reshard",
+        post_backward_reshard="torch.distributed.fsdp._runtime_utils._post_backward_reshard",
         get_handle_to_prefetch="torch.distributed.fsdp._runtime_utils._get_handle_to_prefetch",
     )
 elif IMPL == "local":
     from fsdp._common import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
+        _FSDP_USE_UNSAFE_SETATTR,
+        FLAT_PARAM,
+        HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         HandleTrainingState,
         clean_tensor_name,
@@ -285,6 +303,9 @@ elif IMPL == "local":
         FlatParamShardMetadata,
         HandleShardingStrategy,
     )
+    from fsdp._init import _init_intra_and_inter_node_groups
+    from fsdp._runtime import HOMOGENEOUS_ATTR_NAMES
+    from fsdp._utils import _apply_to_tensors, _replace_by_prefix
     from fsdp.wrap import _validate_frozen_params
 
     FULLY_SHARD_MISSING = ""
@@ -292,6 +313,7 @@ elif IMPL == "local":
         register_pre_backward_hooks="fsdp._runtime.FSDPState._register_pre_backward_hooks",
         register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
         reshard="fsdp._flat_param.FlatParamHandle.reshard",
+        post_backward_reshard="fsdp._runtime.FSDPState._post_backward_reshard",
         get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
     )
 
@@ -353,6 +375,17 @@ else:
     )
     _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
     _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
+    _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
+    FLAT_PARAM = "_flat_param"
+    HYBRID_SHARDING_STRATEGIES = tuple(
+        getattr(ShardingStrategy, name)
+        for name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        if hasattr(ShardingStrategy, name)
+    )
+    HOMOGENEOUS_ATTR_NAMES = _unavailable("HOMOGENEOUS_ATTR_NAMES")
+    _init_intra_and_inter_node_groups = _unavailable("_init_intra_and_inter_node_groups")
+    _apply_to_tensors = _unavailable("_apply_to_tensors")
+    _replace_by_prefix = _unavailable("_replace_by_prefix")
     fully_shard = None
     FULLY_SHARD_MISSING = (
         f"the composable fully_shard(module, policy=...) of FSDP1 is this project's; the FSDP "
@@ -371,7 +404,40 @@ else:
 
 FSDP = FullyShardedDataParallel
 
+
+def torch_refuses_cpu_offload(cpu_offload: Any) -> bool:
+    """Torch's FSDP on a CPU run asked to offload parameters (see the module note)."""
+    offloads = cpu_offload is not None and cpu_offload.offload_params
+    return IMPL == "torch" and current_device().type == "cpu" and offloads
+
+
+def assert_torch_refuses_cpu_offload(
+    case: unittest.TestCase, module: torch.nn.Module, in_features: int
+) -> None:
+    """Torch's own class, wrapping ``module`` (a module of ``in_features`` inputs)
+    with parameter offloading on a CPU run, raises ``TORCH_CPU_OFFLOAD_ERROR`` by
+    its first forward, where it pins the shard's memory (the facade would skip
+    instead)."""
+    if IMPL != "torch":
+        raise AssertionError("only torch's FSDP refuses to offload on a CPU run")
+    with case.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
+        model = _TorchFSDP(
+            module, device_id=torch.device("cpu"), cpu_offload=CPUOffload(offload_params=True)
+        )
+        param = next(module.parameters())
+        model(torch.zeros(1, in_features, dtype=param.dtype)).sum().backward()
+
+
 __all__ = [
+    "FLAT_PARAM",
+    "HOMOGENEOUS_ATTR_NAMES",
+    "HYBRID_SHARDING_STRATEGIES",
+    "_FSDP_USE_UNSAFE_SETATTR",
+    "_apply_to_tensors",
+    "_init_intra_and_inter_node_groups",
+    "_replace_by_prefix",
+    "assert_torch_refuses_cpu_offload",
+    "torch_refuses_cpu_offload",
     "FSDP",
     "FULLY_SHARD_MISSING",
     "IMPL",

@@ -320,6 +320,7 @@ def describe_holders(target: weakref.ReferenceType[object]) -> str:
     try:
         obj = target()
         names: set[str] = set()
+        ref: object = None  # bound even when nothing refers to obj any more
         for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
             names.add(_holder_name(ref, obj))
         del obj, ref
