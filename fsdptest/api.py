@@ -95,6 +95,11 @@ if IMPL == "torch":
     )
 
     _TorchFSDP = _torch_fsdp.FullyShardedDataParallel
+
+    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
+        """The names of the handle's original parameters, relative to its unit's module."""
+        return tuple(handle.flat_param._fqns)
+
     _SIGNATURE = inspect.signature(_TorchFSDP.__init__)
 
     class _AcceptsEveryTorchFSDP(type):
@@ -183,6 +188,10 @@ else:
         get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
     )
 
+    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
+        """The names of the handle's original parameters, relative to its unit's module."""
+        return handle.fqns
+
     def _get_training_state(handle: FlatParamHandle) -> HandleTrainingState:
         """torch's ``_runtime_utils._get_training_state``."""
         return handle.training_state
@@ -236,6 +245,7 @@ __all__ = [
     "current_device",
     "enable_wrap",
     "fully_shard",
+    "handle_fqns",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
