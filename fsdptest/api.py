@@ -251,6 +251,11 @@ if IMPL == "torch":
     from torch.distributed.utils import _apply_to_tensors, _replace_by_prefix
 
     _TorchFSDP = _torch_fsdp.FullyShardedDataParallel
+
+    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
+        """The names of the handle's original parameters, relative to its unit's module."""
+        return tuple(handle.flat_param._fqns)
+
     _SIGNATURE = inspect.signature(_TorchFSDP.__init__)
 
     class _AcceptsEveryTorchFSDP(type):
@@ -316,6 +321,10 @@ elif IMPL == "local":
         post_backward_reshard="fsdp._runtime.FSDPState._post_backward_reshard",
         get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
     )
+
+    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
+        """The names of the handle's original parameters, relative to its unit's module."""
+        return handle.fqns
 
     def _get_training_state(handle: FlatParamHandle) -> HandleTrainingState:
         """torch's ``_runtime_utils._get_training_state``."""
@@ -485,6 +494,7 @@ __all__ = [
     "provides",
     "enable_wrap",
     "fully_shard",
+    "handle_fqns",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
