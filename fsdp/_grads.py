@@ -36,6 +36,7 @@ by shape alone (``FlatParamHandle.prepare_gradient_for_backward``).
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -84,7 +85,9 @@ class FlatParamGrads:
     state: ReduceState
     _saved_shard: Tensor | None  # a reduced gradient from an earlier backward
     _reduced: Tensor | None  # this backward's reduced shard
-    _exposed: Tensor | None  # the shard finish_backward last made flat_param.grad
+    # The shard finish_backward last made flat_param.grad, held weakly: a cleared
+    # gradient's memory must go with the user's last reference.
+    _exposed: weakref.ref[Tensor] | None
     _summoned: SummonedGrad | None
 
     def __init__(self, flat_param: FlatParameter, shard: ShardLayout, offload_params: bool) -> None:
@@ -110,8 +113,12 @@ class FlatParamGrads:
         if grad is None or grad.shape != self.flat_param._local_shard.shape:
             return None
         if self.shard.sharded and self.shard.shard_numel == self.shard.layout.total_numel:
-            return grad if grad is self._exposed else None  # [Note: A shard the size of the whole]
+            return grad if self._is_exposed(grad) else None  # [Note: A shard the size of the whole]
         return grad
+
+    def _is_exposed(self, grad: Tensor) -> bool:
+        exposed = self._exposed
+        return exposed is not None and exposed() is grad
 
     def unsharded_pending(self) -> Tensor | None:
         """The unsharded gradient accumulated under no_sync, if any."""
@@ -136,7 +143,7 @@ class FlatParamGrads:
             return
         data = flat_param.data
         same = grad.shape == data.shape and grad.dtype == data.dtype and grad.device == data.device
-        if same and not (self.shard.sharded and grad is self._exposed):
+        if same and not (self.shard.sharded and self._is_exposed(grad)):
             return
         assert self._saved_shard is None, "two gradients set aside"
         self._saved_shard = grad.detach()
@@ -179,7 +186,7 @@ class FlatParamGrads:
                 flat_param._cpu_grad.copy_(grad)
                 grad = flat_param._cpu_grad
             assign_grad(flat_param, grad)
-            self._exposed = flat_param.grad
+            self._exposed = weakref.ref(flat_param.grad)
         self.state = ReduceState.IDLE
         return fresh
 
