@@ -685,9 +685,12 @@ class FSDPState:
         if int(missing.item()) == self.world_size:
             handle.use_unsharded_grad(None)
             return
+        # Every rank gathers in the gradients' dtype (low precision with
+        # keep_low_precision_grads), also one that has none and sends zeros.
+        dtype = handle.grad_dtype()
         if sharded is None:
-            sharded = torch.zeros_like(handle.flat_param._local_shard, device=handle.device)
-        local = sharded.to(handle.device).contiguous()
+            sharded = torch.zeros_like(handle.flat_param._local_shard, dtype=dtype)
+        local = sharded.to(handle.device, dtype).contiguous()
         unsharded = torch.empty(handle.padded_numel, dtype=local.dtype, device=local.device)
         _comm.all_gather(unsharded, local, self.process_group)
         handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])

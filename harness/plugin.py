@@ -19,6 +19,7 @@ from harness._controller.dispatch import PoolManager, TestRequest, run
 from harness._controller.report import PoolLeakWarning
 from harness._protocol import RunTest, Status, SubtestCounts
 from harness._types import Placement, PoolKey, PoolSettings
+from harness.rank_calls import CallSettings, RankCalls
 from harness.subtests import parse_filter
 from harness.testcase import DistributedTest, declared_world_size
 
@@ -160,6 +161,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(manager_key, None)
     if manager is not None:
         manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
+    """Runs methods of ``DistributedTest`` subclasses on pooled ranks from a test
+    that stays in the pytest process (see [Note: Tests that drive the ranks])."""
+    config = pytestconfig
+    settings = CallSettings(
+        manager=config.stash[manager_key],
+        timeout_s=float(config.getoption("dist_timeout")),
+        grace_s=float(config.getoption("fail_grace")),
+        rewrite_asserts=config.getoption("assertmode") == "rewrite",
+        seed=_SEED,
+    )
+
+    def seen() -> None:
+        config.stash[distributed_seen_key] = True
+
+    return RankCalls(settings, config.stash[plan_key].placement, seen)
 
 
 def is_distributed(item: pytest.Item) -> bool:

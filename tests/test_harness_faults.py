@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.expect import assert_expected_inline
+
 HEADER = textwrap.dedent(
     """
     import dataclasses, functools, os
@@ -52,15 +54,33 @@ def test_skip_on_one_rank_is_an_inconsistent_skip_within_the_grace(inner):
     run = inner(SKIPS, "--fail-grace", "2")
     assert time.monotonic() - started < 120, "waited for the deadline"
     run.result.assert_outcomes(failed=2, skipped=1)
-    test = run.section("test_skip_on_rank0_only")
-    assert "inconsistent skip: rank 0 skipped (only rank 1 runs this) but rank 1 did not" in test
-    assert "rank 1: stopped after another rank skipped; it was blocked here" in test
-    assert "in all_reduce" in test
-    sub = run.section("test_subtest_skipped_on_rank0_only")
-    assert "subtest 1 [n=1]" in sub
-    assert "rank 1 was stopped after another rank skipped this subtest" in sub
-    assert "=== subtest 1 [n=1]: failed on no rank (inconsistent skip) ===" in sub
-    assert "1 of 3 subtests failed (3 ran, 1 failed, 0 skipped, 0 deselected)" in sub
+    assert "in all_reduce" in run.section("test_skip_on_rank0_only")
+    assert_expected_inline(
+        run.report("test_skip_on_rank0_only"),
+        """\
+inconsistent skip: rank 0 skipped (only rank 1 runs this) but rank 1 did not (world_size=2, device=<device>, backend=<backend>)
+
+=== rank 1: stopped after another rank skipped; it was blocked here ===
+Current thread 0xADDR (most recent call first):
+  (frames elsewhere)
+  File "<tmp>/test_inner.py", line 11 in test_skip_on_rank0_only
+""",
+    )
+    assert "in all_reduce" in run.section("test_subtest_skipped_on_rank0_only")
+    assert_expected_inline(
+        run.report("test_subtest_skipped_on_rank0_only"),
+        """\
+1 of 3 subtests failed (3 ran, 1 failed, 0 skipped, 0 deselected)
+
+=== subtest 1 [n=1]: failed on no rank (inconsistent skip) ===
+re-run it alone with: --subtest "n=1"
+rank 1 was stopped after another rank skipped this subtest; it was blocked here:
+Current thread 0xADDR (most recent call first):
+  (frames elsewhere)
+  File "<tmp>/test_inner.py", line 18 in body
+  File "<tmp>/test_inner.py", line 20 in test_subtest_skipped_on_rank0_only
+""",
+    )
 
 
 MISMATCH = HEADER + textwrap.dedent(

@@ -8,16 +8,20 @@ way (depth first in ``modules()`` order, each unit once): a unit's state is its
 ``FullyShardedDataParallel`` wrapper, as in torch's wrapper path (``_handle``,
 ``_is_root``, ``sharding_strategy``, ...), or, for a module given
 ``fully_shard``, our ``FSDPState`` (``handle``, ``is_root``); a handle is the
-unit's ``FlatParamHandle``, and units without parameters have none.
+unit's ``FlatParamHandle``, and units without parameters have none. Under another
+implementation (``--fsdp-impl mypkg.fsdp``) the states are the instances of its
+``FullyShardedDataParallel`` in the tree (the wrapper path), and the handles, its
+private flat-parameter objects, are not known: asking for them skips the test.
 """
 
 from __future__ import annotations
 
+import unittest
 from typing import Any
 
 from torch import nn
 
-from fsdptest.api import IMPL, FlatParamHandle
+from fsdptest.api import IMPL, IMPLEMENTATION, FlatParamHandle, FullyShardedDataParallel
 
 if IMPL == "torch":
     import torch.distributed.fsdp._traversal_utils as _torch_traversal
@@ -30,8 +34,8 @@ if IMPL == "torch":
         """The flat-parameter handles of the units in the tree rooted at ``module``."""
         return list(_torch_traversal._get_fsdp_handles(module))
 
-else:
-    from fsdp import FullyShardedDataParallel, _registry
+elif IMPL == "local":
+    from fsdp import _registry
     from fsdp._runtime import FSDPState
 
     def _local_units(module: nn.Module) -> list[tuple[nn.Module, FSDPState]]:
@@ -55,6 +59,18 @@ else:
     def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:
         """The flat-parameter handles of the units in the tree rooted at ``module``."""
         return [state.handle for _, state in _local_units(module) if state.handle is not None]
+
+else:
+
+    def _get_fsdp_states(module: nn.Module) -> list[Any]:
+        """The FSDP wrappers in the tree rooted at ``module``, in ``modules()`` order."""
+        return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    def _get_fsdp_handles(module: nn.Module) -> list[FlatParamHandle]:
+        raise unittest.SkipTest(
+            "needs the flat-parameter handles of each unit, private to this project's and "
+            f"torch's FSDP, which the FSDP under test ({IMPLEMENTATION.describe()}) does not have"
+        )
 
 
 __all__ = ["_get_fsdp_handles", "_get_fsdp_states"]

@@ -39,6 +39,7 @@ objects are collected too, so garbage among them is reclaimed.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import random
@@ -161,6 +162,7 @@ class StateBaseline:
             warnings.simplefilter("ignore")
             restored = sum(snapshot.restore() for snapshot in self.namespaces.values())
         _reset_dynamo()
+        _clear_dtensor_caches()
         return restored
 
     @staticmethod
@@ -183,6 +185,26 @@ def _reset_dynamo() -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor memoises sharding propagation and redistribution plans per device
+    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache);
+    a mesh holds its process groups, so without this a test whose DTensors used
+    a group it created would keep the group alive and be reported as leaking it."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("torch.distributed.tensor"):
+            for value in list(vars(module).values()):
+                members = list(vars(value).values()) if isinstance(value, type) else []
+                for cached in (value, *members):
+                    cached = getattr(cached, "__func__", cached)  # staticmethod
+                    if isinstance(cached, functools._lru_cache_wrapper):
+                        cached.cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 class GroupTracker:
@@ -317,13 +339,14 @@ def describe_holders(target: weakref.ReferenceType[object]) -> str:
     """Who refers to the object behind ``target``: ``Class.attribute`` for
     instance attributes."""
     gc.unfreeze()  # frozen objects are invisible to get_referrers
+    names: set[str] = set()
     try:
         obj = target()
-        names: set[str] = set()
-        ref: object = None  # bound even when nothing refers to obj any more
-        for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
-            names.add(_holder_name(ref, obj))
-        del obj, ref
+        if obj is not None:  # collected since the caller looked
+            for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
+                names.add(_holder_name(ref, obj))
+                del ref  # no reference may outlive the loop (it may have had no iteration)
+        del obj
     finally:
         gc.freeze()
     names.discard("")
