@@ -129,12 +129,16 @@ def _device_of_index(device: torch.device) -> torch.device:
 class TestFSDPMiscMultiProcess(FSDPTest):
     world_size = 2
 
-    @parametrize("use_index", [True, False])
+    @pytest.mark.parametrize(
+        "use_index",
+        # Decided before any rank starts (a skip inside the ranks must reach the
+        # controller from every rank within the fail-grace).
+        [pytest.param(True, marks=pytest.mark.requires_gpu(NO_INDEX_ON_CPU)), False],
+        ids=["True", "False"],
+    )
     def test_fsdp_device_id(self, use_index: bool) -> None:
         """``device_id`` moves a CPU module to the device, accepts a module already
         there, and a device without an index means the current device."""
-        if use_index and self.device.type == "cpu":
-            pytest.skip(NO_INDEX_ON_CPU)
         dev_id: int | torch.device = self.device.index if use_index else self.device
 
         def _check_device_matches(module: nn.Module, device_id: int | torch.device) -> None:
