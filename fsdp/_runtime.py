@@ -176,6 +176,7 @@ class FSDPState:
     sync_gradients: bool
     state_dict_settings: StateDictSettings
     registers_flat_param: bool
+    device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class FSDPState:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         self.registers_flat_param = True
+        self.device_mesh = None
         _registry.register(module, self)
 
     @property

@@ -1,193 +1,473 @@
 """State dicts of FSDP units: hooks that make ``state_dict()`` / ``load_state_dict()``
-speak the unwrapped module's names.
+speak the unwrapped module's names, with torch's value types.
 
 [Note: State dicts through module hooks]
 ``nn.Module.state_dict`` recurses through children, calling each module's hooks,
 so each unit registers four hooks and handles its own keys; nested units do the
-same for theirs while the enclosing unit is unsharded, and every key is cleaned
-exactly once. Keys lose the wrapper prefix (``_fsdp_wrapped_module.``); buffers
-are saved in their original dtype (they may live in ``buffer_dtype``).
+same for theirs while the enclosing unit is unsharded. Keys lose the wrapper
+prefix (``_fsdp_wrapped_module.``; activation checkpointing's is dropped by its
+own wrapper, or by ``clean_tensor_name``). Load hooks put the prefix back, and
+the missing and unexpected keys that ``load_state_dict`` reports are clean.
+A unit's parameter keys come from its flat parameter's records (every name of
+a shared parameter included), so only the unit's own parameters are touched:
+parameters of ignored modules, or added after wrapping, pass through as the
+module saves them (not copied).
 
-- ``FULL_STATE_DICT``: save unshards in full precision and exposes the original
-  parameters, so the module saves them; entries are cloned (their storage is
-  freed right after). ``rank0_only`` leaves other ranks' dicts empty,
-  ``offload_to_cpu`` returns CPU tensors. Load unshards, lets the module copy
-  into the exposed parameters, then writes each rank's part back into its shard.
-- ``SHARDED_STATE_DICT``: like full, but each parameter is saved as a
-  ``DTensor`` sharded on dim 0 over the unit's process group (``torch.chunk``
-  layout), holding only this rank's rows. Loading gathers the rows back.
-- ``LOCAL_STATE_DICT``: the unit's flat shard itself under ``_flat_param``
-  (padded, full precision), with no communication; loads only into the same
-  world size and wrapping.
+[Note: The three state-dict types]
+- ``FULL_STATE_DICT``: save unshards the unit (summon, full precision) and
+  clones each original parameter, since the unsharded storage is freed right
+  after. ``rank0_only``: other ranks take part in the all-gather, then drop the
+  unit's parameters and buffers. ``offload_to_cpu``: CPU tensors. Load
+  unshards, lets the module copy into the exposed parameters, then writes each
+  rank's part back into its shard.
+- ``SHARDED_STATE_DICT``: like full, but each parameter is a ``ShardedTensor``
+  chunked on dim 0 (``torch.chunk``; rank ``r`` holds chunk ``r`` and, where
+  there are fewer chunks than ranks, nothing), whose metadata every rank builds
+  alone (no communication). With ``_use_dtensor`` or a ``device_mesh`` the value
+  is a ``DTensor`` sharded on the mesh's last dimension instead. Load gathers
+  each parameter (padded chunks through ``fsdp._comm``; a ``DTensor`` gathers
+  itself), every rank in the same order, then loads it as full. A 0-dim
+  parameter cannot be chunked and stays a plain tensor.
+- ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
+  ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
+  that holds only padding has no local shard), so it survives ``torch.save``
+  and a gather plus re-chunk loads it into another world size. Load pads the
+  local shard back. The original parameters' keys are dropped on save and not
+  reported missing on load (torch keeps them under ``use_orig_params``, which
+  then cannot load its own local state dict).
+Buffers are saved in their original dtype (they may live in ``buffer_dtype``;
+cast copies, as torch's, which casts under buffer mixed precision only) and on
+the CPU with ``offload_to_cpu``; otherwise they are the module's own tensors.
+
+[Note: NO_SHARD units save full state dicts]
+As in torch, a unit whose parameters are not sharded (``NO_SHARD``, or one rank
+in its shard group) saves and loads ``FULL_STATE_DICT`` with the default
+config, whatever type and config are set (warning when they differ): there is
+nothing to shard, and ``rank0_only`` / ``offload_to_cpu`` do not apply.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import itertools
+import math
+import warnings
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.tensor import DTensor
 
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
+from fsdp import _comm
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name
 from fsdp._runtime import FSDPState
 from fsdp._unshard_params import SummonedUnit, ensure_initialized
-from fsdp.api import FullStateDictConfig, StateDictType
+from fsdp.api import (
+    FullStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictType,
+)
+
+_NO_SHARD_WARNING = (
+    "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+)
 
 
-def _clean_key(prefix: str, names: dict[int, str], module: nn.Module, name: str) -> str | None:
-    path = names.get(id(module))
-    if path is None:
-        return None
-    return prefix + clean_tensor_name(f"{path}.{name}".lstrip("."))
+class _Settings(NamedTuple):
+    """The type and config a unit's hooks apply (see [Note: NO_SHARD units save
+    full state dicts])."""
+
+    kind: StateDictType
+    config: StateDictConfig
+
+    @classmethod
+    def of(cls, state: FSDPState) -> _Settings:
+        handle = state.handle
+        if handle is None or handle.uses_sharded_strategy:
+            return cls(state.state_dict_type, state.state_dict_config)
+        full = cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
+        if (state.state_dict_type, state.state_dict_config) != full:
+            warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
+        return full
+
+    @property
+    def rank0_only(self) -> bool:
+        return isinstance(self.config, FullStateDictConfig) and self.config.rank0_only
+
+
+def _key(prefix: str, module_name: str, name: str) -> str:
+    return prefix + clean_tensor_name(f"{module_name}.{name}".lstrip("."))
 
 
 class _UnitKeys:
-    """The clean state-dict keys of one unit's parameters and buffers."""
+    """The clean state-dict keys of one unit's parameters (every name of a
+    shared one, in flat order) and of the buffers in its subtree."""
 
-    params: dict[str, int]  # key -> index of the parameter in the flat parameter
-    buffer_dtypes: dict[str, torch.dtype]
+    params: list[str]
+    buffers: list[str]
+    buffer_dtypes: dict[str, torch.dtype]  # managed buffers: their original dtype
 
     def __init__(self, state: FSDPState, prefix: str) -> None:
-        names = {id(m): n for n, m in state.module.named_modules(remove_duplicate=False)}
-        self.params = {}
-        if state.handle is not None:
-            for i, info in enumerate(state.handle.param_infos()):
-                key = _clean_key(prefix, names, info.module, info.param_name)
-                if key is not None:
-                    self.params[key] = i
+        handle = state.handle
+        infos = [] if handle is None else [*handle.param_infos(), *handle.shared_param_infos()]
+        self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        self.buffers = []
         self.buffer_dtypes = {}
-        for module, name in state.buffers:
-            dtype = state.orig_buffer_dtypes.get((id(module), name))
-            key = _clean_key(prefix, names, module, name)
-            if dtype is not None and key is not None:
-                self.buffer_dtypes[key] = dtype
+        for path, module in state.module.named_modules(remove_duplicate=False):
+            for name, buffer in module._buffers.items():
+                if buffer is None:
+                    continue
+                key = _key(prefix, path, name)
+                self.buffers.append(key)
+                dtype = state.orig_buffer_dtypes.get((id(module), name))
+                if dtype is not None:
+                    self.buffer_dtypes[key] = dtype
 
 
-def _clean_entries(state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """Drops the wrapper prefix from the keys under ``prefix``; returns them."""
-    keys = []
+def _is_wrapper(state: FSDPState) -> bool:
+    return FSDP_WRAPPED_MODULE in state.module._modules
+
+
+def _strip_wrapper_prefix(state_dict: dict[str, Any], prefix: str) -> None:
+    """Drops the wrapper prefixes from the keys under ``prefix``."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        value = state_dict.pop(key)
         clean = prefix + clean_tensor_name(key[len(prefix) :])
-        state_dict[clean] = value
-        keys.append(clean)
-    return keys
+        if clean != key:
+            state_dict[clean] = state_dict.pop(key)
 
 
-def _prefix_entries(state_dict: dict[str, Any], prefix: str) -> None:
-    """Inserts the wrapper prefix into the keys under ``prefix``."""
+def _insert_wrapper_prefix(state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Inserts the wrapper prefix into the keys under ``prefix`` (wrappers only)."""
+    if not _is_wrapper(state):
+        return
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix) :]
         if not rest.startswith(FSDP_PREFIX):
             state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
 
 
-def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Tensor:
-    value = value.detach().clone() if dtype is None else value.detach().to(dtype, copy=True)
-    return value.cpu() if offload_to_cpu else value
+def _save_buffers(
+    state: FSDPState, keys: _UnitKeys, state_dict: dict[str, Any], offload_to_cpu: bool
+) -> None:
+    """Buffers in their original dtype, on the CPU when offloading (see the notes)."""
+    casts = state.config.mixed_precision.buffer_dtype is not None
+    for key in keys.buffers:
+        value = state_dict.get(key)
+        if not isinstance(value, Tensor):
+            continue
+        if offload_to_cpu and value.device.type != "cpu":
+            value = value.cpu()
+        dtype = keys.buffer_dtypes.get(key)
+        if casts and dtype is not None:
+            value = value.to(dtype, copy=True)
+        state_dict[key] = value
 
 
-class _FullStateDict:
+def _drop_unit_entries(keys: _UnitKeys, state_dict: dict[str, Any], prefix: str) -> None:
+    """``rank0_only`` on other ranks: the unit's parameters and buffers go."""
+    for key in (*keys.params, *keys.buffers, prefix + FLAT_PARAM):
+        state_dict.pop(key, None)
+
+
+def _check_saved(key: str, state_dict: dict[str, Any], state: FSDPState) -> None:
+    if key not in state_dict:
+        raise AssertionError(
+            f"FSDP assumes {key} is in the state_dict but the state_dict only has "
+            f"{state_dict.keys()}. rank={state.rank}."
+        )
+
+
+# -- sharded tensors ---------------------------------------------------------------------------
+
+
+def _placement(global_rank: int, device: torch.device, own: bool) -> str:
+    if device.type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    if own:
+        return f"rank:{global_rank}/{device}"
+    count = torch.get_device_module(device.type).device_count()
+    return f"rank:{global_rank}/{device.type}:{global_rank % max(count, 1)}"
+
+
+def _sharded_tensor(
+    local: Tensor | None,
+    rank: int,
+    pieces: list[tuple[list[int], list[int]]],
+    size: torch.Size,
+    like: Tensor,
+    state: FSDPState,
+) -> ShardedTensor:
+    """A ``ShardedTensor`` of global ``size`` whose rank ``i`` holds the piece
+    ``pieces[i]`` (offsets, sizes; an empty piece: nothing), built without
+    communication; ``local`` is this rank's piece."""
+    global_ranks = _comm.group_ranks(state.process_group)
+    device = like.device
+    metadata = [
+        ShardMetadata(offsets, sizes, _placement(global_ranks[i], device, i == rank))
+        for i, (offsets, sizes) in enumerate(pieces)
+        if math.prod(sizes) > 0
+    ]
+    properties = TensorProperties(
+        dtype=like.dtype,
+        layout=like.layout,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    own = ShardMetadata(*pieces[rank], _placement(global_ranks[rank], device, True))
+    shards = [] if local is None or local.numel() == 0 else [Shard(local, own)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards,
+        sharded_tensor_metadata=ShardedTensorMetadata(metadata, size, properties),
+        process_group=state.process_group,
+    )
+
+
+def _chunked(full: Tensor, state: FSDPState) -> ShardedTensor:
+    """``full`` chunked on dim 0 over the unit's group; this rank keeps a copy of its chunk."""
+    chunks = torch.chunk(full, state.world_size, dim=0)
+    starts = itertools.accumulate((c.size(0) for c in chunks), initial=0)
+    pieces = [
+        ([start] + [0] * (full.dim() - 1), list(c.size())) for start, c in zip(starts, chunks)
+    ]
+    empty = ([0] * full.dim(), [0] * full.dim())
+    pieces += [empty] * (state.world_size - len(chunks))
+    local = chunks[state.rank].clone() if state.rank < len(chunks) else None
+    return _sharded_tensor(local, state.rank, pieces, full.size(), full, state)
+
+
+def _chunked_dtensor(full: Tensor, state: FSDPState) -> DTensor:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    mesh = state.device_mesh
+    if mesh is None:
+        mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
+    placements = [Replicate() for _ in range(mesh.ndim - 1)] + [DShard(0)]
+    chunks = torch.chunk(full, state.world_size, dim=0)
+    local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
+    return DTensor.from_local(
+        local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+def _gathered(value: ShardedTensor, state: FSDPState) -> Tensor:
+    """The full tensor of a dim-0 chunked ``ShardedTensor`` (every rank gathers)."""
+    size = value.size()
+    numel = size.numel()
+    chunk = math.ceil(size[0] / state.world_size) * numel // size[0]
+    shards = value.local_shards()
+    if len(shards) > 1:
+        raise AssertionError(
+            f"Expects 0 or 1 shard per rank but got {len(shards)} shards on rank {state.rank}."
+        )
+    device = state.compute_device
+    if shards:
+        local = shards[0].tensor.flatten().to(device)
+        local = F.pad(local, [0, chunk - local.numel()])
+    else:
+        local = torch.zeros(chunk, dtype=value.dtype, device=device)
+    gathered = torch.empty(chunk * state.world_size, dtype=local.dtype, device=device)
+    _comm.all_gather(gathered, local.contiguous(), state.process_group)
+    return gathered.narrow(0, 0, numel).reshape(size)
+
+
+def _flat_shard(state: FSDPState) -> ShardedTensor:
+    """The local flat shard without padding, as a piece of the unpadded flat parameter."""
+    handle = state.handle
+    assert handle is not None
+    total, numel = handle.unpadded_numel, handle.shard_numel
+    shard = handle.flat_param._local_shard
+
+    def valid(rank: int) -> int:
+        return max(0, min(numel, total - rank * numel))
+
+    pieces = [([r * numel], [valid(r)]) for r in range(state.world_size)]
+    local = shard[: valid(state.rank)]
+    return _sharded_tensor(local, state.rank, pieces, torch.Size([total]), shard, state)
+
+
+def _local_shard_to_load(value: Any, state: FSDPState) -> Tensor:
+    """The saved local flat shard, padded back to this rank's shard size."""
+    handle = state.handle
+    assert handle is not None
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        tensor = shards[0].tensor if shards else handle.flat_param._local_shard[:0]
+    else:
+        tensor = value
+    tensor = tensor.flatten()
+    if tensor.numel() > handle.shard_numel:
+        raise AssertionError(
+            f"Local shard size = {handle.shard_numel} and the tensor in the state_dict is "
+            f"{tensor.numel()}."
+        )
+    return F.pad(tensor, [0, handle.shard_numel - tensor.numel()])
+
+
+# -- the three types ---------------------------------------------------------------------------
+
+
+class _Kind:
+    """What the hooks of one state-dict type do; a pre-hook may return the unit
+    it summoned, which its post-hook receives."""
+
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        return None
+
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        raise NotImplementedError
+
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        raise NotImplementedError
+
+    def post_load(self, unit: SummonedUnit | None) -> None:
+        pass
+
+
+class _FullStateDict(_Kind):
     """Save and load through the exposed full parameters (one unit at a time)."""
 
-    def pre_save(self, unit: SummonedUnit) -> None:
-        unit.enter()
+    def summoned(self, state: FSDPState, settings: _Settings) -> SummonedUnit:
+        return SummonedUnit(state, settings.rank0_only, settings.config.offload_to_cpu)
 
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
-        config = state.state_dict_config
-        assert isinstance(config, FullStateDictConfig)
+    def save_param(self, value: Tensor, state: FSDPState, config: StateDictConfig) -> Tensor:
+        return value.detach().clone()
+
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        unit = self.summoned(state, settings)
+        unit.enter()
+        return unit
+
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        assert unit is not None
+        _strip_wrapper_prefix(state_dict, prefix)
         keys = _UnitKeys(state, prefix)
-        state_dict.pop(prefix + FLAT_PARAM, None)
-        for key in _clean_entries(state_dict, prefix):
-            if config.rank0_only and state.rank != 0:
-                del state_dict[key]
-            elif isinstance(state_dict[key], Tensor):
-                state_dict[key] = _saved(
-                    state_dict[key], keys.buffer_dtypes.get(key), config.offload_to_cpu
-                )
-        unit.exit(writeback=False)
+        try:
+            if settings.rank0_only and state.rank != 0:
+                _drop_unit_entries(keys, state_dict, prefix)
+                return
+            state_dict.pop(prefix + FLAT_PARAM, None)
+            for key in keys.params:
+                _check_saved(key, state_dict, state)
+                state_dict[key] = self.save_param(state_dict[key], state, settings.config)
+        finally:
+            unit.exit(writeback=False)
+        _save_buffers(state, keys, state_dict, settings.config.offload_to_cpu)
 
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        unit = SummonedUnit(state)
         unit.enter()
-        _prefix_entries(state_dict, prefix)
+        _insert_wrapper_prefix(state, state_dict, prefix)
+        return unit
 
-    def post_load(self, unit: SummonedUnit) -> None:
+    def post_load(self, unit: SummonedUnit | None) -> None:
+        assert unit is not None
         unit.exit(writeback=True)
 
 
 class _ShardedStateDict(_FullStateDict):
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
-        keys = _UnitKeys(state, prefix)
-        state_dict.pop(prefix + FLAT_PARAM, None)
-        offload = state.state_dict_config.offload_to_cpu
-        for key in _clean_entries(state_dict, prefix):
-            value = state_dict[key]
-            if key in keys.params:
-                state_dict[key] = _row_shard(value, state, offload)
-            elif isinstance(value, Tensor):
-                state_dict[key] = _saved(value, keys.buffer_dtypes.get(key), offload)
-        unit.exit(writeback=False)
+    def summoned(self, state: FSDPState, settings: _Settings) -> SummonedUnit:
+        return SummonedUnit(state)  # chunked first, offloaded after
 
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
+    def save_param(self, value: Tensor, state: FSDPState, config: StateDictConfig) -> Tensor:
+        assert isinstance(config, ShardedStateDictConfig)
+        value = value.detach()
+        sharded: Tensor
+        if value.dim() == 0:
+            sharded = value.clone()
+        elif config._use_dtensor or state.device_mesh is not None:
+            sharded = _chunked_dtensor(value, state)
+        else:
+            sharded = _chunked(value, state)
+        return sharded.cpu() if config.offload_to_cpu else sharded
+
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
         # Every rank gathers the same parameters in the same (flat) order.
-        keys = _UnitKeys(unit.state, prefix)
-        for key in sorted(keys.params, key=keys.params.__getitem__):
+        for key in _UnitKeys(state, prefix).params:
             value = state_dict.get(key)
-            if value is not None and hasattr(value, "full_tensor"):
+            if isinstance(value, ShardedTensor):
+                state_dict[key] = _gathered(value, state)
+            elif isinstance(value, DTensor):
                 state_dict[key] = value.full_tensor()
-        super().pre_load(unit, state_dict, prefix)
+        return super().pre_load(state, state_dict, prefix)
 
 
-def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
-    """This rank's rows of ``value`` as a DTensor sharded on dim 0."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+class _LocalStateDict(_Kind):
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        if state.device_mesh is not None:
+            raise RuntimeError(
+                "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
+                "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT to get "
+                "DTensor state_dict."
+            )
+        return None
 
-    mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
-    full = value.detach()
-    if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
-    chunks = torch.chunk(full, state.world_size, dim=0)
-    local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
-    local = local.clone()
-    local = local.cpu() if offload_to_cpu else local
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-    )
-
-
-class _LocalStateDict:
-    def pre_save(self, unit: SummonedUnit) -> None:
-        pass
-
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        _strip_wrapper_prefix(state_dict, prefix)
         keys = _UnitKeys(state, prefix)
-        offload = state.state_dict_config.offload_to_cpu
-        for key in _clean_entries(state_dict, prefix):
-            if key in keys.params:
-                del state_dict[key]  # original parameters (views) are not local state
-            elif isinstance(state_dict[key], Tensor):
-                state_dict[key] = _saved(state_dict[key], keys.buffer_dtypes.get(key), offload)
+        for key in keys.params:
+            state_dict.pop(key, None)  # the original parameters (views) are not local state
+        offload = settings.config.offload_to_cpu
         if state.handle is not None:
-            shard = state.handle.flat_param._local_shard
-            state_dict[prefix + FLAT_PARAM] = _saved(shard, None, offload)
+            value = _flat_shard(state)
+            state_dict[prefix + FLAT_PARAM] = value.cpu() if offload else value
+        _save_buffers(state, keys, state_dict, offload)
 
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        handle = unit.state.handle
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        handle = state.handle
         key = prefix + FLAT_PARAM
-        if handle is not None and key in state_dict:
-            handle.load_local_shard(state_dict.pop(key))
-        _prefix_entries(state_dict, prefix)
+        if handle is not None:
+            if key not in state_dict:
+                raise AssertionError(
+                    "No `FlatParameter` in `state_dict` for this FSDP instance but it has "
+                    "parameters"
+                )
+            handle.load_local_shard(_local_shard_to_load(state_dict.pop(key), state))
+        _insert_wrapper_prefix(state, state_dict, prefix)
+        return None
 
-    def post_load(self, unit: SummonedUnit) -> None:
-        pass
 
-
-_KINDS: dict[StateDictType, Any] = {
+_KINDS: dict[StateDictType, _Kind] = {
     StateDictType.FULL_STATE_DICT: _FullStateDict(),
     StateDictType.SHARDED_STATE_DICT: _ShardedStateDict(),
     StateDictType.LOCAL_STATE_DICT: _LocalStateDict(),
@@ -200,11 +480,13 @@ class StateDictHooks:
 
     state: FSDPState
     _load_prefix: str
-    _unit: SummonedUnit | None  # between a pre-hook and its post-hook
+    _settings: _Settings | None  # between a pre-hook and its post-hook
+    _unit: SummonedUnit | None  # likewise, when the pre-hook summoned the unit
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
         self._load_prefix = ""
+        self._settings = None
         self._unit = None
 
     def register(self, module: nn.Module) -> None:
@@ -214,21 +496,31 @@ class StateDictHooks:
         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.pre_load, self))
         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.post_load, self))
 
-    def _kind(self) -> Any:
-        return _KINDS[self.state.state_dict_type]
-
-    def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    def _begin(self, module: nn.Module) -> _Kind:
         ensure_initialized(module)
-        self._unit = SummonedUnit(self.state)
-        self._kind().pre_save(self._unit)
+        self._settings = _Settings.of(self.state)
+        return _KINDS[self._settings.kind]
 
+    def _end(self) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+        settings, unit = self._settings, self._unit
+        assert settings is not None, "state-dict post-hook without its pre-hook"
+        self._settings, self._unit = None, None
+        return _KINDS[settings.kind], settings, unit
+
+    @torch.no_grad()
+    def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        kind = self._begin(module)
+        assert self._settings is not None
+        self._unit = kind.pre_save(self.state, self._settings)
+
+    @torch.no_grad()
     def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        unit, self._unit = self._unit, None
-        assert unit is not None, "state_dict post-hook without its pre-hook"
-        self._kind().post_save(unit, state_dict, prefix)
+        kind, settings, unit = self._end()
+        kind.post_save(self.state, unit, settings, state_dict, prefix)
 
+    @torch.no_grad()
     def pre_load(
         self,
         module: nn.Module,
@@ -240,26 +532,21 @@ class StateDictHooks:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        ensure_initialized(module)
+        kind = self._begin(module)
         self._load_prefix = prefix
-        self._unit = SummonedUnit(self.state)
-        self._kind().pre_load(self._unit, state_dict, prefix)
+        self._unit = kind.pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        kind, settings, unit = self._end()
+        kind.post_load(unit)
         prefix = self._load_prefix
-        unit_keys: set[str] = set()
-        if self.state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            params = _UnitKeys(self.state, prefix).params
-            unit_keys = {_with_wrapper_prefix(k, prefix) for k in params}
-        incompatible_keys.missing_keys[:] = [
-            k
-            for k in incompatible_keys.missing_keys
-            if k != prefix + FLAT_PARAM and k not in unit_keys
+        # A local state dict holds the flat shard instead of the original parameters.
+        expected = [prefix + FLAT_PARAM]
+        if settings.kind is StateDictType.LOCAL_STATE_DICT:
+            expected += _UnitKeys(self.state, prefix).params
+        expected_missing = {clean_tensor_name(k) for k in expected}
+        missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
+        incompatible_keys.missing_keys[:] = [k for k in missing if k not in expected_missing]
+        incompatible_keys.unexpected_keys[:] = [
+            clean_tensor_name(k) for k in incompatible_keys.unexpected_keys
         ]
-        unit, self._unit = self._unit, None
-        assert unit is not None, "load_state_dict post-hook without its pre-hook"
-        self._kind().post_load(unit)
-
-
-def _with_wrapper_prefix(key: str, prefix: str) -> str:
-    return prefix + FSDP_PREFIX + key[len(prefix) :]

@@ -251,10 +251,11 @@ class FlatParamStorage:
 
     def unsharded_to_cpu(self) -> Tensor:
         """summon_full_params(offload_to_cpu=True): the flat parameter becomes a
-        CPU copy of the unsharded data; returns the device data."""
+        CPU copy of the unsharded data; returns the device data. A copy also
+        when the compute device is the CPU: the caller frees the device data."""
         assert self.is_unsharded(), self.state
         device_data = self.flat_param.data
-        self.flat_param.data = device_data.cpu()
+        self.flat_param.data = device_data.to(torch.device("cpu"), copy=True)
         return device_data
 
     # -- reshard ---------------------------------------------------------------------

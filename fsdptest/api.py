@@ -55,7 +55,7 @@ if IMPL == "torch":
         ShardingStrategy,
         StateDictType,
     )
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from torch.distributed.fsdp._common_utils import FSDP_PREFIX, clean_tensor_name
     from torch.distributed.fsdp._flat_param import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
@@ -65,6 +65,7 @@ if IMPL == "torch":
         HandleShardingStrategy,
     )
     from torch.distributed.fsdp._init_utils import NO_RESHARD_AFTER_FORWARD_STRATEGIES
+    from torch.distributed.fsdp._unshard_param_utils import FLAT_PARAM
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.fsdp.wrap import (
@@ -129,6 +130,8 @@ else:
     from fsdp._common import (
         _FSDP_SKIP_WRITEBACK_CHECK,
         _FSDP_USE_FULL_PREC_IN_EVAL,
+        FLAT_PARAM,
+        FSDP_PREFIX,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         clean_tensor_name,
     )
@@ -165,7 +168,9 @@ else:
 FSDP = FullyShardedDataParallel
 
 __all__ = [
+    "FLAT_PARAM",
     "FSDP",
+    "FSDP_PREFIX",
     "FULLY_SHARD_MISSING",
     "IMPL",
     "NO_RESHARD_AFTER_FORWARD_STRATEGIES",
