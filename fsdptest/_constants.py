@@ -8,3 +8,9 @@ TORCH_CPU_OFFLOAD_SKIP = (
     "(CPUOffload(offload_params=True) pins memory and synchronizes accelerator streams; "
     "torch 2.13 raises 'Cannot access accelerator device when none is available')"
 )
+
+CPU_OFFLOAD_ASSERTED_MARKER = "torch_cpu_offload_asserted"
+CPU_OFFLOAD_ASSERTED_HELP = (
+    f"{CPU_OFFLOAD_ASSERTED_MARKER}: under --fsdp-impl torch on CPU, the test asserts torch's "
+    "failure to offload parameters itself (fsdptest.limitations) instead of being skipped"
+)

@@ -10,6 +10,10 @@ outputs and the sharded gradients are those of the same model without
 checkpointing. ``offload_wrapper`` saves activations with
 ``torch.autograd.graph.save_on_cpu``, looked up from the wrapper's module at
 forward time, so the tests observe it by patching that name.
+
+Torch's FSDP cannot offload parameters on a CPU-only run: those configurations
+assert its failure (see [Note: Torch's FSDP on a CPU-only run] in
+fsdptest.limitations) and stop there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as checkpoint_wrapper_module
@@ -32,7 +37,10 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdptest import FSDPTest
 from fsdptest.api import FSDP, CPUOffload, ShardingStrategy
+from fsdptest.limitations import assert_cannot_offload_params, cannot_offload_params
 from harness import parametrize
+
+pytestmark = pytest.mark.torch_cpu_offload_asserted
 
 OFFLOAD_CONFIGS = [CPUOffload(offload_params=True), CPUOffload(offload_params=False)]
 
@@ -121,6 +129,9 @@ class TestFSDPCheckpoint(FSDPTest):
         """Checkpointing around three FSDP roots, and FSDP around checkpointed
         layers, give the outputs and gradients of the plain FSDP model."""
         global _save_on_cpu_called
+        if cannot_offload_params(cpu_offload):
+            assert_cannot_offload_params(self)
+            return
         fsdp_kwargs = {"cpu_offload": cpu_offload, "use_orig_params": use_orig_params}
         wrapper = offload_wrapper if offload_activations else checkpoint_wrapper
         device = self.device
@@ -168,6 +179,9 @@ class TestFSDPCheckpoint(FSDPTest):
         ``checkpoint`` call) or checkpointing inside trains like the plain unit
         over six iterations."""
         global _save_on_cpu_called
+        if cannot_offload_params(cpu_offload):
+            assert_cannot_offload_params(self)
+            return
         fsdp_kwargs = {"cpu_offload": cpu_offload, "use_orig_params": use_orig_params}
         with patch_save_on_cpu(get_patched_save_on_cpu()):
             seq = SequentialModule(device=self.device)

@@ -26,6 +26,7 @@ from copy import deepcopy
 from functools import partial
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,6 +65,13 @@ from fsdptest.api import (
     wrap,
 )
 from fsdptest.interface import DeviceInitMode, FSDPInitMode
+from fsdptest.limitations import (
+    assert_cannot_offload_full_state_dict,
+    assert_cannot_offload_params,
+    assert_cannot_sync_module_states,
+    cannot_offload_params,
+    torch_on_cpu,
+)
 from harness import current_device, parametrize
 from models import TransformerWithSharedParams
 
@@ -85,18 +93,10 @@ STATE_DICT_MAPPING = {
 
 OFFLOAD_CONFIGS = [CPUOffload(offload_params=True), CPUOffload(offload_params=False)]
 
-# [Note: torch's offload_to_cpu on a CPU-only run]
-# Torch's FSDP (2.13) cannot offload a full state dict to the CPU when the compute
-# device is the CPU: FlatParamHandle.to_cpu() "moves" the unsharded flat parameter to
-# the CPU it is already on (the same storage), then frees that storage. With
-# use_orig_params=False unflattening the original parameters then fails with
-# "setStorage: ... out of bounds for storage of size 0"; with use_orig_params=True the
-# original parameters are views of the freed storage, and cloning them reads freed
-# memory (garbage, or a segmentation fault). Such configurations assert the
-# deterministic failure on a one-unit model with use_orig_params=False (rank 0 fails
-# after the all-gather; other ranks, under rank0_only, return an empty dict), so that
-# a fix in torch shows up, and stop there. Ours copies (fsdp._storage).
-TORCH_OFFLOAD_TO_CPU_FAILURE = "out of bounds for storage of size 0"
+# Torch's FSDP cannot offload parameters, nor full state dicts, on a CPU-only run:
+# those configurations assert its failure (see [Note: Torch's FSDP on a CPU-only
+# run] in fsdptest.limitations) and stop there.
+pytestmark = pytest.mark.torch_cpu_offload_asserted
 
 
 def offload_name(cpu_offload: CPUOffload) -> str:
@@ -271,23 +271,17 @@ class TestFSDPStateDict(FSDPTest):
         return _broadcast_state_dict(self.rank, state_dict)
 
     def _torch_cannot_offload_to_cpu(self, state_dict_type: str, offload_to_cpu: bool) -> bool:
-        """Asserts torch's failure where it applies (see [Note: torch's
-        offload_to_cpu on a CPU-only run]); returns whether it did."""
-        if not (
-            IMPL == "torch"
-            and self.device.type == "cpu"
-            and state_dict_type == "state_dict"
-            and offload_to_cpu
-        ):
+        """Asserts torch's failure where it applies; returns whether it did."""
+        if not (torch_on_cpu() and state_dict_type == "state_dict" and offload_to_cpu):
             return False
-        model = FSDP(nn.Linear(10, 10, bias=False).to(self.device))
-        config = FullStateDictConfig(rank0_only=True, offload_to_cpu=True)
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
-            if self.rank == 0:
-                with self.assertRaisesRegex(RuntimeError, TORCH_OFFLOAD_TO_CPU_FAILURE):
-                    model.state_dict()
-            else:
-                self.assertEqual(model.state_dict(), {})
+        assert_cannot_offload_full_state_dict(self, self.rank)
+        return True
+
+    def _torch_cannot_offload_params(self, cpu_offload: CPUOffload) -> bool:
+        """Asserts torch's failure where it applies; returns whether it did."""
+        if not cannot_offload_params(cpu_offload):
+            return False
+        assert_cannot_offload_params(self)
         return True
 
     def _state_compare(
@@ -568,6 +562,7 @@ class TestFSDPStateDict(FSDPTest):
         """Saving a checkpoint only on rank 0 and loading it only on rank 0 with
         ``sync_module_states=True`` (the workflow that avoids redundant CPU memory)."""
         if self._torch_cannot_offload_to_cpu("state_dict", True):
+            assert_cannot_sync_module_states(self)  # the flow's second step
             return
         auto_wrap_policy = ModuleWrapPolicy({TransformerEncoderLayer, TransformerDecoderLayer})
         fsdp_kwargs = {"auto_wrap_policy": auto_wrap_policy, "use_orig_params": use_orig_params}
@@ -633,6 +628,8 @@ class TestFSDPStateDict(FSDPTest):
             return  # not supported (as upstream)
         device = self.device
         if self._torch_cannot_offload_to_cpu(state_dict_type, state_dict_rank0_and_offload):
+            return
+        if self._torch_cannot_offload_params(cpu_offload):
             return
         for model_call in [
             partial(
@@ -713,6 +710,8 @@ class TestFSDPStateDict(FSDPTest):
         ):
             return  # not supported (as upstream)
         if self._torch_cannot_offload_to_cpu(state_dict_type, state_dict_rank0_and_offload):
+            return
+        if self._torch_cannot_offload_params(cpu_offload):
             return
         model_call = partial(
             self._get_multibuffer_nested_model,
