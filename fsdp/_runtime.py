@@ -262,6 +262,7 @@ class FSDPState:
             buffer = module._buffers[name]
             if buffer is not None:
                 self.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
+        self._cast_buffers(full_precision=False)
 
     def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
         device = handle.flat_param.device
@@ -282,8 +283,9 @@ class FSDPState:
         """Eval mode with ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes in full precision."""
         return self.config.env.use_full_prec_in_eval and not self.module.training
 
-    def _cast_buffers(self) -> None:
-        """Buffers live in ``buffer_dtype`` (full precision in eval when asked)."""
+    def _cast_buffers(self, full_precision: bool) -> None:
+        """Buffers live in ``buffer_dtype`` from lazy initialisation on, as in torch
+        (in their original dtype where ``full_precision``)."""
         target = self.config.mixed_precision.buffer_dtype
         for module, name in self.buffers:
             buffer = module._buffers[name]
@@ -292,7 +294,7 @@ class FSDPState:
             dtype = buffer.dtype
             if torch.is_floating_point(buffer):
                 orig = self.orig_buffer_dtypes.get((id(module), name), buffer.dtype)
-                dtype = orig if target is None or self.full_precision_now() else target
+                dtype = orig if target is None or full_precision else target
             if buffer.dtype != dtype or buffer.device != self.compute_device:
                 buffer.data = buffer.to(device=self.compute_device, dtype=dtype)
 
@@ -307,7 +309,7 @@ class FSDPState:
             context = self.root
             context.streams.unshard_waits_for_compute()
             for state in context.states:
-                state._cast_buffers()
+                state._cast_buffers(state.full_precision_now())
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:

@@ -31,19 +31,32 @@ module saves them (not copied).
 - ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
   ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
   that holds only padding has no local shard), so it survives ``torch.save``
-  and a gather plus re-chunk loads it into another world size. Load pads the
-  local shard back. The original parameters' keys are dropped on save and not
-  reported missing on load (torch keeps them under ``use_orig_params``, which
-  then cannot load its own local state dict).
-Buffers are saved in their original dtype (they may live in ``buffer_dtype``;
-cast copies, as torch's, which casts under buffer mixed precision only) and on
-the CPU with ``offload_to_cpu``; otherwise they are the module's own tensors.
+  and a gather plus re-chunk loads it into another world size. Load takes only
+  a ``ShardedTensor`` and pads the local shard back. Everything else is what
+  the module saves and loads itself, as in torch: buffers as they live (in
+  ``buffer_dtype`` under buffer mixed precision, on the device), and under
+  ``use_orig_params`` the original parameters, which then are views of their
+  parts of the shard. Such a state dict loads through those views, and the
+  flat parameter, which is not registered then, is an unexpected key (torch's
+  behaviour: its local state dicts with ``use_orig_params`` do not load
+  strictly). Unlike torch's, the local shard does not require grad (torch's is
+  a view of the flat parameter created under ``no_grad``, which a gloo gather
+  in grad mode refuses).
+
+[Note: Buffers in full and sharded state dicts]
+As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
+the CPU; a unit with buffer mixed precision saves every buffer of its subtree
+that some unit manages (ignored ones excepted) as a copy in its original dtype
+(buffers live in ``buffer_dtype`` from lazy initialisation on). Otherwise the
+entries are the module's own tensors. Names come from ``named_buffers()``: the
+second name of a module registered twice is left as the module saves it.
 
 [Note: NO_SHARD units save full state dicts]
-As in torch, a unit whose parameters are not sharded (``NO_SHARD``, or one rank
-in its shard group) saves and loads ``FULL_STATE_DICT`` with the default
-config, whatever type and config are set (warning when they differ): there is
-nothing to shard, and ``rank0_only`` / ``offload_to_cpu`` do not apply.
+As in torch, a ``NO_SHARD`` unit (also a sharded strategy at world size 1,
+which becomes ``NO_SHARD``) saves and loads ``FULL_STATE_DICT`` with the
+default config, whatever type and config are set, and warns that it does so on
+every save and load: there is nothing to shard, and ``rank0_only`` /
+``offload_to_cpu`` do not apply.
 """
 
 from __future__ import annotations
@@ -69,10 +82,11 @@ from torch.distributed.tensor import DTensor
 from fsdp import _comm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name
 from fsdp._runtime import FSDPState
-from fsdp._unshard_params import SummonedUnit, ensure_initialized
+from fsdp._unshard_params import SummonedUnit, ensure_initialized, validate_unshard
 from fsdp.api import (
     FullStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictType,
 )
@@ -91,13 +105,10 @@ class _Settings(NamedTuple):
 
     @classmethod
     def of(cls, state: FSDPState) -> _Settings:
-        handle = state.handle
-        if handle is None or handle.uses_sharded_strategy:
+        if state.config.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return cls(state.state_dict_type, state.state_dict_config)
-        full = cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
-        if (state.state_dict_type, state.state_dict_config) != full:
-            warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
-        return full
+        warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
+        return cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
 
     @property
     def rank0_only(self) -> bool:
@@ -110,7 +121,8 @@ def _key(prefix: str, module_name: str, name: str) -> str:
 
 class _UnitKeys:
     """The clean state-dict keys of one unit's parameters (every name of a
-    shared one, in flat order) and of the buffers in its subtree."""
+    shared one, in flat order) and of the buffers in its subtree (see [Note:
+    Buffers in full and sharded state dicts])."""
 
     params: list[str]
     buffers: list[str]
@@ -120,15 +132,20 @@ class _UnitKeys:
         handle = state.handle
         infos = [] if handle is None else [*handle.param_infos(), *handle.shared_param_infos()]
         self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        orig_dtypes: dict[tuple[int, str], torch.dtype] = {}
+        for unit in state.subtree_states():
+            orig_dtypes.update(unit.orig_buffer_dtypes)
         self.buffers = []
         self.buffer_dtypes = {}
-        for path, module in state.module.named_modules(remove_duplicate=False):
-            for name, buffer in module._buffers.items():
-                if buffer is None:
+        seen: set[int] = set()  # named_buffers(): a buffer once, under its first name
+        for path, module in state.module.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if id(buffer) in seen:
                     continue
+                seen.add(id(buffer))
                 key = _key(prefix, path, name)
                 self.buffers.append(key)
-                dtype = state.orig_buffer_dtypes.get((id(module), name))
+                dtype = orig_dtypes.get((id(module), name))
                 if dtype is not None:
                     self.buffer_dtypes[key] = dtype
 
@@ -158,7 +175,7 @@ def _insert_wrapper_prefix(state: FSDPState, state_dict: dict[str, Any], prefix:
 def _save_buffers(
     state: FSDPState, keys: _UnitKeys, state_dict: dict[str, Any], offload_to_cpu: bool
 ) -> None:
-    """Buffers in their original dtype, on the CPU when offloading (see the notes)."""
+    """See [Note: Buffers in full and sharded state dicts]."""
     casts = state.config.mixed_precision.buffer_dtype is not None
     for key in keys.buffers:
         value = state_dict.get(key)
@@ -282,31 +299,37 @@ def _gathered(value: ShardedTensor, state: FSDPState) -> Tensor:
     return gathered.narrow(0, 0, numel).reshape(size)
 
 
+def _valid_numel(state: FSDPState, rank: int) -> int:
+    """How much of ``rank``'s flat shard is data (the rest is padding)."""
+    handle = state.handle
+    assert handle is not None
+    numel = handle.shard_numel
+    return max(0, min(numel, handle.unpadded_numel - rank * numel))
+
+
 def _flat_shard(state: FSDPState) -> ShardedTensor:
     """The local flat shard without padding, as a piece of the unpadded flat parameter."""
     handle = state.handle
     assert handle is not None
-    total, numel = handle.unpadded_numel, handle.shard_numel
+    numel = handle.shard_numel
     shard = handle.flat_param._local_shard
-
-    def valid(rank: int) -> int:
-        return max(0, min(numel, total - rank * numel))
-
-    pieces = [([r * numel], [valid(r)]) for r in range(state.world_size)]
-    local = shard[: valid(state.rank)]
-    return _sharded_tensor(local, state.rank, pieces, torch.Size([total]), shard, state)
+    pieces = [([r * numel], [_valid_numel(state, r)]) for r in range(state.world_size)]
+    local = shard[: _valid_numel(state, state.rank)]
+    size = torch.Size([handle.unpadded_numel])
+    return _sharded_tensor(local, state.rank, pieces, size, shard, state)
 
 
-def _local_shard_to_load(value: Any, state: FSDPState) -> Tensor:
-    """The saved local flat shard, padded back to this rank's shard size."""
+def _local_shard_to_load(value: ShardedTensor, state: FSDPState) -> Tensor:
+    """The saved local flat shard, padded back to this rank's shard size (a
+    rank that holds only padding keeps its shard)."""
     handle = state.handle
     assert handle is not None
-    if isinstance(value, ShardedTensor):
-        shards = value.local_shards()
-        tensor = shards[0].tensor if shards else handle.flat_param._local_shard[:0]
-    else:
-        tensor = value
-    tensor = tensor.flatten()
+    if _valid_numel(state, state.rank) == 0:
+        return handle.flat_param._local_shard
+    shards = value.local_shards()
+    if not shards:
+        raise AssertionError("load_local_state_dict assume one shard per ShardedTensor.")
+    tensor = shards[0].tensor.flatten()
     if tensor.numel() > handle.shard_numel:
         raise AssertionError(
             f"Local shard size = {handle.shard_numel} and the tensor in the state_dict is "
@@ -355,6 +378,7 @@ class _FullStateDict(_Kind):
 
     def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
         unit = self.summoned(state, settings)
+        validate_unshard([state], False, unit.rank0_only, unit.offload_to_cpu, False)
         unit.enter()
         return unit
 
@@ -442,14 +466,11 @@ class _LocalStateDict(_Kind):
         prefix: str,
     ) -> None:
         _strip_wrapper_prefix(state_dict, prefix)
-        keys = _UnitKeys(state, prefix)
-        for key in keys.params:
-            state_dict.pop(key, None)  # the original parameters (views) are not local state
-        offload = settings.config.offload_to_cpu
         if state.handle is not None:
             value = _flat_shard(state)
-            state_dict[prefix + FLAT_PARAM] = value.cpu() if offload else value
-        _save_buffers(state, keys, state_dict, offload)
+            state_dict[prefix + FLAT_PARAM] = (
+                value.cpu() if settings.config.offload_to_cpu else value
+            )
 
     def pre_load(
         self, state: FSDPState, state_dict: dict[str, Any], prefix: str
@@ -462,7 +483,12 @@ class _LocalStateDict(_Kind):
                     "No `FlatParameter` in `state_dict` for this FSDP instance but it has "
                     "parameters"
                 )
-            handle.load_local_shard(_local_shard_to_load(state_dict.pop(key), state))
+            if not isinstance(state_dict[key], ShardedTensor):
+                raise AssertionError("Tensors in local_state_dict should be ShardedTensor.")
+            tensor = _local_shard_to_load(state_dict[key], state)  # checked in any case
+            if not state.config.use_orig_params:  # else: an unexpected key
+                handle.load_local_shard(tensor)
+                del state_dict[key]
         _insert_wrapper_prefix(state, state_dict, prefix)
         return None
 
@@ -537,16 +563,12 @@ class StateDictHooks:
         self._unit = kind.pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        kind, settings, unit = self._end()
+        kind, _, unit = self._end()
         kind.post_load(unit)
-        prefix = self._load_prefix
-        # A local state dict holds the flat shard instead of the original parameters.
-        expected = [prefix + FLAT_PARAM]
-        if settings.kind is StateDictType.LOCAL_STATE_DICT:
-            expected += _UnitKeys(self.state, prefix).params
-        expected_missing = {clean_tensor_name(k) for k in expected}
+        # A local state dict's flat shard was loaded (and removed) by the pre-hook.
+        loaded = clean_tensor_name(self._load_prefix + FLAT_PARAM)
         missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
-        incompatible_keys.missing_keys[:] = [k for k in missing if k not in expected_missing]
+        incompatible_keys.missing_keys[:] = [k for k in missing if k != loaded]
         incompatible_keys.unexpected_keys[:] = [
             clean_tensor_name(k) for k in incompatible_keys.unexpected_keys
         ]
