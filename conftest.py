@@ -1,1 +1,1 @@
-pytest_plugins = ["harness.plugin", "fsdptest.plugin", "pytester"]
+pytest_plugins = ["harness.plugin", "fsdptest.plugin", "upstream.plugin", "pytester"]

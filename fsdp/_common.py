@@ -1,7 +1,7 @@
 """Names, lifecycles and small helpers shared by every layer of the package.
 
 [Note: Environment switches]
-Two environment variables change behaviour, both read once when a
+Three environment variables change behaviour, all read once when a
 FullyShardedDataParallel instance is built (``EnvSwitches.read``), never deep
 inside the runtime:
 
@@ -10,14 +10,24 @@ inside the runtime:
 - ``FSDP_SKIP_WRITEBACK_CHECK=1``: with ``use_orig_params=True``, do not check
   before each unshard whether the user replaced or resized an original
   parameter or its gradient (saves the check; changes are then not written back).
+- ``FSDP_USE_UNSAFE_SETATTR=1``: set the original parameter names directly in
+  the module's dicts, bypassing ``__setattr__`` overrides of its class (by
+  default ``delattr`` and ``setattr`` go through them, as ``nn.Module`` checks do).
+- ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read through ``dist.get_debug_level()``,
+  which ``dist.set_debug_level`` also sets): check the forward order across
+  ranks (see [Note: Checking the forward order across ranks] in fsdp._exec_order).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 from typing import NamedTuple
 
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed import ProcessGroup
 
 from fsdp.api import ShardingStrategy
@@ -29,13 +39,14 @@ _CHECKPOINT_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
+_FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
 
 # Strategies that keep the unsharded parameter from forward to backward (torch's name).
 NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
     ShardingStrategy.SHARD_GRAD_OP,
     ShardingStrategy._HYBRID_SHARD_ZERO2,
 )
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+HYBRID_SHARDING_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 class ProcessGroups(NamedTuple):
@@ -52,12 +63,16 @@ class ProcessGroups(NamedTuple):
 class EnvSwitches(NamedTuple):
     use_full_prec_in_eval: bool
     skip_writeback_check: bool
+    use_unsafe_setattr: bool
+    check_exec_order: bool
 
     @classmethod
     def read(cls) -> EnvSwitches:
         return cls(
             os.environ.get(_FSDP_USE_FULL_PREC_IN_EVAL) == "1",
             os.environ.get(_FSDP_SKIP_WRITEBACK_CHECK) == "1",
+            os.environ.get(_FSDP_USE_UNSAFE_SETATTR) == "1",
+            dist.get_debug_level() == dist.DebugLevel.DETAIL,
         )
 
 
@@ -88,3 +103,11 @@ def clean_tensor_name(tensor_name: str) -> str:
     for prefix in (FSDP_PREFIX, *_CHECKPOINT_PREFIXES):
         tensor_name = tensor_name.replace(prefix, "")
     return tensor_name
+
+
+def profiler_label(name: str) -> contextlib.AbstractContextManager[object]:
+    """``record_function(name)`` while a profiler records, else nothing: entering
+    a ``record_function`` costs microseconds on every hook of every unit."""
+    if torch._C._autograd._profiler_enabled():
+        return record_function(name)
+    return contextlib.nullcontext()

@@ -28,6 +28,8 @@ without grad leaves the phase alone. Every transition is a method that checks
 the state it starts from. An all-gather issued ahead of the unit's own use (a
 prefetch) leaves the flat parameter sharded and the unshard's CUDA event with
 the handle; the unit's own unshard then finds the data ready and waits on it.
+``prefetched`` (torch's ``_prefetched``) says that such an unshard was issued
+since the last reshard, so that the handle is not chosen for another one.
 
 [Note: The post-backward hook's node]
 Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
@@ -130,9 +132,11 @@ class FlatParamHandle:
     grads: FlatParamGrads
     training_state: HandleTrainingState
     phase: IterationPhase
+    prefetched: bool
     _sharding_strategy: HandleShardingStrategy
     _keep_low_precision_grads: bool
     _mp_reduce_dtype: torch.dtype | None
+    has_optim_in_backward: bool
     _unshard_event: torch.cuda.Event | None
     _post_backward_hook: tuple[Any, RemovableHandle] | None
 
@@ -150,6 +154,7 @@ class FlatParamHandle:
         use_orig_params: bool,
         *,
         fsdp_extension: object | None = None,
+        use_unsafe_setattr: bool = False,
     ) -> None:
         params = list(params)
         if not params:
@@ -178,10 +183,14 @@ class FlatParamHandle:
         self.storage = FlatParamStorage(
             self.flat_param, self.shard, device, offload_params, mp_param_dtype
         )
-        self.views = OrigParamViews(self.layout, self.shard, ordered, use_orig_params)
+        self.views = OrigParamViews(
+            self.layout, self.shard, ordered, use_orig_params, not use_unsafe_setattr
+        )
         self.grads = FlatParamGrads(self.flat_param, self.shard, offload_params)
         self.training_state = HandleTrainingState.IDLE
         self.phase = IterationPhase.IDLE
+        self.has_optim_in_backward = False
+        self.prefetched = False
         self._unshard_event = None
         self._post_backward_hook = None
 
@@ -251,6 +260,11 @@ class FlatParamHandle:
         """torch's name: where each parameter lies in the flat range ``[start, end]``."""
         return shard_param_infos(self.layout, start, end)
 
+    @property
+    def sharded_grad(self) -> Tensor | None:
+        """The sharded gradient (torch's name), None when there is none."""
+        return self.grads.sharded()
+
     def reduce_dtype(self) -> torch.dtype:
         """Gradients are reduced in ``reduce_dtype``, else ``param_dtype``, else
         the parameter's own dtype; in forced full precision always the latter."""
@@ -301,6 +315,42 @@ class FlatParamHandle:
         self.grads.init_buffers(self.grad_dtype(), self.device)
         if self._use_orig_params:
             self.views.show_resharded(self.flat_param._local_shard)
+
+    def sync_requires_grad(self) -> None:
+        """``use_orig_params``: the flat parameter needs a gradient while any
+        original parameter does (the user may freeze or unfreeze them at any time)."""
+        if self._use_orig_params:
+            self.flat_param.requires_grad_(any(p.requires_grad for p in self.views.params))
+
+    # -- optimizers in backward ----------------------------------------------------------------
+
+    def find_optimizers_in_backward(self) -> None:
+        """``torch.distributed.optim._apply_optimizer_in_backward`` marks
+        parameters with ``_in_backward_optimizers``; FSDP steps them right after
+        their gradient is reduced (``use_orig_params=True`` only)."""
+        if hasattr(self.flat_param, "_in_backward_optimizers"):
+            raise RuntimeError(
+                "FSDP optimizer in backward only supported with use_orig_params=True!"
+            )
+        self.has_optim_in_backward = any(
+            hasattr(p, "_in_backward_optimizers") for p in self.views.params
+        )
+
+    def step_optimizers_in_backward(self) -> None:
+        """The reduced gradient is exposed, each marked original parameter's
+        optimizers step and free its gradient; the flat gradient goes once no
+        original parameter has one."""
+        self.grads.finish_backward(synced=True)
+        self.views.fresh_grads()
+        self._show_grads()
+        for param in self.views.params:
+            if param.grad is None:
+                continue  # not on this rank's shard
+            for optim in getattr(param, "_in_backward_optimizers", ()):
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+        if self.views.all_grads_cleared():
+            self.grads.clear()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -365,6 +415,7 @@ class FlatParamHandle:
         self.remove_post_backward_hook()
         self.training_state = HandleTrainingState.IDLE
         self.phase = IterationPhase.IDLE
+        self.prefetched = False
         self.views.end_iteration()
 
     def begin_summon(self) -> None:
@@ -406,6 +457,10 @@ class FlatParamHandle:
         event, self._unshard_event = self._unshard_event, None
         return event
 
+    def pending_unshard_event(self) -> torch.cuda.Event | None:
+        """The event of an unshard issued ahead of use, left for its own wait."""
+        return self._unshard_event
+
     def unsharded_to_cpu(self) -> Tensor:
         return self.storage.unsharded_to_cpu()
 
@@ -435,6 +490,7 @@ class FlatParamHandle:
         ``use_sharded_views`` (use_orig_params, no-reshard strategies after
         forward) the original parameters keep forward's views."""
         forward_data = self.storage.reshard(free_unsharded)
+        self.prefetched = False
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:
@@ -465,6 +521,7 @@ class FlatParamHandle:
         if self.flat_param.grad is not None and not self.is_unsharded():
             if self.views.all_grads_cleared():
                 self.grads.clear()  # zero_grad(set_to_none=True) on the originals
+                self.views.forget_grads()
         if skip_check:
             return
         wrote = self.views.writeback(self.flat_param, self.grads)
@@ -529,6 +586,16 @@ class FlatParamHandle:
         assert grad_fn is not None, "the post-backward hook needs autograd enabled"
         node = grad_fn.next_functions[0][0]
         self._post_backward_hook = (node, node.register_hook(lambda *_: hook()))
+        return True
+
+    def register_reshard_only_hook(self, inputs: list[Tensor], hook: Callable[[], None]) -> bool:
+        """For a flat parameter that needs no gradient: ``hook`` runs once the
+        gradients of ``inputs`` are computed, once per iteration; returns
+        whether this call registered it."""
+        if self._post_backward_hook is not None:
+            return False
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: hook())
+        self._post_backward_hook = (None, handle)
         return True
 
     def remove_post_backward_hook(self) -> None:

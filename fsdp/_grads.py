@@ -18,11 +18,25 @@ cannot accumulate into; autograd accumulates the unsharded gradient;
 stream) and calls ``set_reduced`` with the result; at the end of backward
 ``finish_backward`` exposes the reduced shard (plus what was set aside) as
 ``flat_param.grad``. Each step is checked against ``ReduceState``.
+
+[Note: A shard the size of the whole]
+A sharded gradient is usually told from an unsharded one by its shape. Not
+when the shard has the unsharded numel: a one-element flat parameter sharded
+over several ranks (each shard holds one element, padding on all ranks but
+one), or any flat parameter of a one-rank shard group. There the shard
+``finish_backward`` exposed is recognised by identity (``zero_grad`` without
+``set_to_none`` zeroes it in place); shape alone would take it for an
+unsharded gradient, let autograd accumulate the next backward's local
+gradient into it and reduce the sum again, which adds each rank's shard (the
+reduced gradient on one rank, zeros of padding on the others) into the new
+average: the property search found exactly that in torch's FSDP, which decides
+by shape alone (``FlatParamHandle.prepare_gradient_for_backward``).
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -71,6 +85,9 @@ class FlatParamGrads:
     state: ReduceState
     _saved_shard: Tensor | None  # a reduced gradient from an earlier backward
     _reduced: Tensor | None  # this backward's reduced shard
+    # The shard finish_backward last made flat_param.grad, held weakly: a cleared
+    # gradient's memory must go with the user's last reference.
+    _exposed: weakref.ref[Tensor] | None
     _summoned: SummonedGrad | None
 
     def __init__(self, flat_param: FlatParameter, shard: ShardLayout, offload_params: bool) -> None:
@@ -80,6 +97,7 @@ class FlatParamGrads:
         self.state = ReduceState.IDLE
         self._saved_shard = None
         self._reduced = None
+        self._exposed = None
         self._summoned = None
 
     def init_buffers(self, grad_dtype: torch.dtype, device: torch.device) -> None:
@@ -92,9 +110,15 @@ class FlatParamGrads:
     def sharded(self) -> Tensor | None:
         """The sharded gradient, or None (none yet, or an unsharded one under no_sync)."""
         grad = self.flat_param.grad
-        if grad is not None and grad.shape == self.flat_param._local_shard.shape:
-            return grad
-        return None
+        if grad is None or grad.shape != self.flat_param._local_shard.shape:
+            return None
+        if self.shard.sharded and self.shard.shard_numel == self.shard.layout.total_numel:
+            return grad if self._is_exposed(grad) else None  # [Note: A shard the size of the whole]
+        return grad
+
+    def _is_exposed(self, grad: Tensor) -> bool:
+        exposed = self._exposed
+        return exposed is not None and exposed() is grad
 
     def unsharded_pending(self) -> Tensor | None:
         """The unsharded gradient accumulated under no_sync, if any."""
@@ -105,6 +129,7 @@ class FlatParamGrads:
         """The user cleared every gradient (``zero_grad(set_to_none=True)``)."""
         self.flat_param.grad = None
         self._saved_shard = None
+        self._exposed = None
 
     # -- one backward -------------------------------------------------------------------
 
@@ -117,11 +142,13 @@ class FlatParamGrads:
             self._saved_shard = None  # cleared inside a no_sync window: all of it
             return
         data = flat_param.data
-        if grad.shape == data.shape and grad.dtype == data.dtype and grad.device == data.device:
+        same = grad.shape == data.shape and grad.dtype == data.dtype and grad.device == data.device
+        if same and not (self.shard.sharded and self._is_exposed(grad)):
             return
         assert self._saved_shard is None, "two gradients set aside"
         self._saved_shard = grad.detach()
         flat_param.grad = None
+        self._exposed = None
 
     def take_unsharded(self) -> Tensor | None:
         """Removes the gradient autograd accumulated, for reduction."""
@@ -159,6 +186,7 @@ class FlatParamGrads:
                 flat_param._cpu_grad.copy_(grad)
                 grad = flat_param._cpu_grad
             assign_grad(flat_param, grad)
+            self._exposed = weakref.ref(flat_param.grad)
         self.state = ReduceState.IDLE
         return fresh
 

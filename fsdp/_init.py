@@ -7,12 +7,26 @@ has FSDP applied (a nested unit manages them). Parameters are flattened in
 module order; buffers stay where they are and only change dtype and device.
 
 [Note: Devices]
-The compute device is ``device_id`` when given (the module is moved there before
-flattening), else the device of the module's parameters when not the CPU, else
-the current CUDA device when CUDA is available, else the CPU. A module left on
-the CPU without ``device_id`` on a CUDA machine must be moved by the user before
-training (lazy initialisation checks it). With parameter offloading the shard
-moves to the CPU after sharding.
+A unit's parameters are on one device; a module partly on the CPU needs
+``device_id``, which moves what is on the CPU (parameters and buffers, not
+ignored ones, not nested units') there. The compute device is the device of
+the first managed parameter when it is not the CPU, else the current device of
+``device_id``'s type (of CUDA when available, else the CPU); a ``device_id``
+that disagrees raises, and one without an index means the current device (with
+a warning). A module left on the CPU on a machine with CUDA warns and must be
+moved before training (lazy initialisation checks it). With parameter
+offloading the shard moves to the CPU after sharding. Torch's FSDP needs an
+accelerator; ours also runs with the CPU as the compute device, where a CPU
+module is not a mistake and ``sync_module_states`` broadcasts CPU tensors
+(torch refuses CPU tensors there whatever the compute device).
+
+[Note: Meta-device initialisation]
+A unit with parameters or buffers on the meta device (its own modules, found
+breadth-first up to nested units and ignored modules) is materialised before
+anything else: ``param_init_fn(module)`` for each of those modules when given
+(it must be callable), else ``to_empty(device)`` and ``reset_parameters()`` of
+each module that has parameters or buffers of its own, on ``device_id`` or the
+current device.
 
 [Note: Process groups]
 ``process_group`` is the sharding group (default: the world). Hybrid strategies
@@ -24,11 +38,12 @@ With one rank in the sharding group, sharding strategies fall back to
 keeps its name and its replicate group, and its replicas still sum gradients
 (torch's FSDP switches it to ``NO_SHARD`` and drops the replicate group there,
 so its replicas drift apart). ``sync_module_states`` broadcasts from the first
-rank of the shard group, then from the first rank of the replicate group.
+rank of the replicate group, then from the first rank of the shard group.
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,7 +52,7 @@ import torch
 from torch import nn
 
 from fsdp import _comm, _registry
-from fsdp._common import HYBRID_STRATEGIES, EnvSwitches, ProcessGroups
+from fsdp._common import HYBRID_SHARDING_STRATEGIES, EnvSwitches, ProcessGroups
 from fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
 from fsdp._ignored import Ignored
 from fsdp._runtime import FSDPState, UnitConfig
@@ -53,7 +68,7 @@ def resolve_groups(
             "Cannot pass both process_group and device_mesh at the same time. "
             "Please just pass only one of them."
         )
-    hybrid = strategy in HYBRID_STRATEGIES
+    hybrid = strategy in HYBRID_SHARDING_STRATEGIES
     if device_mesh is not None:
         return _groups_of_mesh(device_mesh, hybrid)
     if not hybrid:
@@ -85,20 +100,31 @@ def _groups_of_mesh(mesh: Any, hybrid: bool) -> ProcessGroups:
 
 def _hybrid_groups_from_world() -> ProcessGroups:
     world = _comm.world()
-    world_size, rank = world.size(), world.rank()
-    per_host = world_size
+    per_host = world.size()
     if torch.cuda.is_available() and torch.distributed.get_backend(world) == "nccl":
-        per_host = min(torch.cuda.device_count(), world_size)
-    shard = replicate = None
-    for start in range(0, world_size, per_host):
-        group = _comm.new_group(list(range(start, start + per_host)))
-        if start <= rank < start + per_host:
-            shard = group
-    for local in range(per_host):
-        group = _comm.new_group(list(range(local, world_size, per_host)))
-        if rank % per_host == local:
-            replicate = group
-    return ProcessGroups(shard, replicate)
+        per_host = min(torch.cuda.device_count(), per_host)
+    return ProcessGroups(*_init_intra_and_inter_node_groups(world, per_host))
+
+
+def _init_intra_and_inter_node_groups(
+    global_group: Any, num_devices_per_node: int
+) -> tuple[Any, Any]:
+    """This rank's (intra-node, inter-node) groups of ``global_group`` with
+    ``num_devices_per_node`` ranks per node (torch's name): ranks of one node
+    shard, ranks with the same local rank replicate. Every rank creates every group."""
+    ranks = _comm.group_ranks(global_group)
+    rank = global_group.rank()
+    intra = inter = None
+    for start in range(0, len(ranks), num_devices_per_node):
+        group = _comm.new_group(ranks[start : start + num_devices_per_node])
+        if start <= rank < start + num_devices_per_node:
+            intra = group
+    for local in range(num_devices_per_node):
+        group = _comm.new_group(ranks[local::num_devices_per_node])
+        if rank % num_devices_per_node == local:
+            inter = group
+    assert intra is not None and inter is not None
+    return intra, inter
 
 
 def resolve_strategy(strategy: ShardingStrategy | None, shard_group_size: int) -> ShardingStrategy:
@@ -106,7 +132,7 @@ def resolve_strategy(strategy: ShardingStrategy | None, shard_group_size: int) -
     if (
         shard_group_size == 1
         and strategy is not ShardingStrategy.NO_SHARD
-        and strategy not in HYBRID_STRATEGIES
+        and strategy not in HYBRID_SHARDING_STRATEGIES
     ):
         warnings.warn(
             f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
@@ -156,64 +182,162 @@ def managed_buffers(modules: list[nn.Module]) -> list[tuple[nn.Module, str]]:
     ]
 
 
-def resolve_device(device_id: int | torch.device | None) -> torch.device | None:
+def check_single_device(params: list[nn.Parameter], device_id: object) -> None:
+    """A unit's parameters live on one device; a module partly on the CPU may
+    be brought together by ``device_id`` (torch's checks and messages)."""
+    devices = {p.device for p in params}
+    if len(devices) == 2 and torch.device("cpu") in devices:
+        if device_id is None:
+            raise RuntimeError(
+                "To support a module with both CPU and GPU params, "
+                "please pass in device_id argument."
+            )
+    elif len(devices) > 1:
+        raise RuntimeError(f"FSDP only supports single device modules but got params on {devices}")
+
+
+def _current_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device_id: int | torch.device | str | None, rank: int) -> torch.device | None:
+    """``device_id`` as a device; an accelerator without an index means the
+    current one (with torch's warning)."""
     if device_id is None:
         return None
     if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
+        return torch.device(_default_device_type(), device_id)
     device = torch.device(device_id)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cpu" and device.index is None:
+        current = _current_device(device.type)
+        warnings.warn(
+            f"FSDP got the argument `device_id` {device_id} on rank {rank}, which does not "
+            f"have an explicit index. FSDP will use the current device {current}. If this is "
+            f"incorrect, please explicitly call `torch.{device.type}.set_device()` before FSDP "
+            "initialization or pass in the explicit device index as the `device_id` argument.",
+            stacklevel=5,
+        )
+        return current
     return device
 
 
-def compute_device(params: list[nn.Parameter], device_id: torch.device | None) -> torch.device:
-    if device_id is not None:
-        return device_id
-    devices = {p.device for p in params if p.device.type not in ("cpu", "meta")}
-    if len(devices) > 1:
-        raise RuntimeError(
-            f"FSDP does not support modules with parameters on several devices: {devices}"
+def compute_device(
+    params: list[nn.Parameter], device_id: torch.device | None, rank: int
+) -> torch.device:
+    """See [Note: Devices]; a ``device_id`` other than the compute device raises."""
+    param = params[0] if params else None
+    if param is not None and param.device.type != "cpu":
+        device = param.device
+    else:
+        device = _current_device(
+            device_id.type if device_id is not None else _default_device_type()
         )
-    if devices:
-        return devices.pop()
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if device_id is not None and device != device_id:
+        raise ValueError(
+            f"Inconsistent compute device and `device_id` on rank {rank}: {device} vs {device_id}"
+        )
+    return device
+
+
+def _warn_cpu_init() -> None:
+    warnings.warn(
+        "The passed-in `module` is on CPU and will thus have FSDP's sharding initialization run "
+        "on CPU, which may be slower than on GPU. We recommend passing in the `device_id` "
+        "argument for FSDP to move `module` to GPU for the sharding initialization. `module` "
+        "must also be on GPU device to work with the `sync_module_states=True` flag since that "
+        "requires GPU communication.",
+        stacklevel=5,
+    )
+
+
+def modules_to_materialize(root: nn.Module, ignored: Ignored) -> list[nn.Module]:
+    """Breadth-first from ``root``, stopping at units already built and at ignored modules."""
+    result: list[nn.Module] = []
+    queue = collections.deque([root])
+    seen = {root}
+    while queue:
+        module = queue.popleft()
+        result.append(module)
+        for child in module.children():
+            if child not in seen and not _registry.has_fsdp(child) and child not in ignored.modules:
+                seen.add(child)
+                queue.append(child)
+    return result
 
 
 def materialize(
-    modules: list[nn.Module],
+    root: nn.Module,
+    ignored: Ignored,
     param_init_fn: Callable[[nn.Module], None] | None,
     device: torch.device,
 ) -> None:
-    """Initialises parameters created on the meta device."""
-    meta = [
-        m
+    """Initialises a unit whose parameters or buffers are on the meta device
+    (see [Note: Meta-device initialisation])."""
+    modules = modules_to_materialize(root, ignored)
+    states = (
+        t
         for m in modules
-        if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-    ]
-    if not meta:
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
+        if not (isinstance(t, nn.Parameter) and t in ignored.params)
+    )
+    if not any(t.is_meta for t in states):
         return
     if param_init_fn is not None:
-        param_init_fn(modules[0])
+        if not callable(param_init_fn):
+            raise ValueError(
+                f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}"
+            )
+        for module in modules:
+            param_init_fn(module)
         return
-    for module in meta:
-        module.to_empty(device=device, recurse=False)
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
+    module = root
+    try:
+        with torch.no_grad():
+            for module in modules:
+                if any(True for _ in (*module.parameters(False), *module.buffers(False))):
+                    module.to_empty(device=device, recurse=False)
+                    module.reset_parameters()  # type: ignore[operator]
+    except BaseException as e:
+        warnings.warn(
+            "Unable to call `reset_parameters()` for module on meta device with error "
+            f"{e}. Please ensure that your module oftype {type(module)} implements a "
+            "`reset_parameters()` method.",
+            stacklevel=5,
+        )
+        raise
 
 
 def move_to(modules: list[nn.Module], device: torch.device, ignored: Ignored) -> None:
-    for module in modules:
-        for param in module._parameters.values():
-            if param is not None and param not in ignored.params and param.device != device:
-                with torch.no_grad():
-                    param.data = param.data.to(device)
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+    """``device_id``: what is on the CPU moves (parameters with their gradients,
+    and buffers); what is elsewhere stays, for ``compute_device`` to check."""
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for module in modules:
+            for param in module._parameters.values():
+                if param is None or param in ignored.params or param.device != cpu:
+                    continue
+                param.data = param.data.to(device)
+                if param.grad is not None:
+                    param.grad.data = param.grad.to(device)
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device == cpu:
+                    module._buffers[name] = buffer.to(device)
+
+
+def check_scalar_params(root: nn.Module, params: list[nn.Parameter]) -> None:
+    for param in params:
+        if param.dim() == 0:
+            name = next(n for n, p in root.named_parameters() if p is param)
+            raise ValueError(
+                "FSDP doesn't support scalar parameters. "
+                f"Change {name} to a 1D tensor with numel equal to 1."
+            )
 
 
 def sync_states(
@@ -225,6 +349,12 @@ def sync_states(
     """``sync_module_states``: every rank starts from the first rank's values."""
     src = _comm.group_ranks(group)[0]
     tensors = [p.data for p in params] + [m._buffers[n] for m, n in buffers]
+    if device.type != "cpu" and any(t is not None and t.device.type == "cpu" for t in tensors):
+        raise ValueError(
+            "The module has CPU parameters or buffers when `sync_module_states=True`, which "
+            "requires them to be on GPU. Please specify the `device_id` argument or move the "
+            "module to GPU before passing it to FSDP."
+        )
     with torch.no_grad():
         for tensor in tensors:
             if tensor is None:
@@ -255,23 +385,26 @@ def build_unit(
     owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ignored, groups: ProcessGroups
 ) -> FSDPState:
     """Creates the unit's state and its (sharded) flat parameter."""
-    if args.param_init_fn is not None and not callable(args.param_init_fn):
-        raise ValueError(
-            f"Expected {args.param_init_fn} to be callable but got {type(args.param_init_fn)}"
-        )
     strategy = resolve_strategy(args.sharding_strategy, groups.shard.size())
+    rank = groups.shard.rank()
+    check_single_device(managed_params(managed_modules(managed, ignored), ignored), args.device_id)
+    device_id = resolve_device(args.device_id, rank)
+    default_type = device_id.type if device_id is not None else _default_device_type()
+    materialize(managed, ignored, args.param_init_fn, device_id or _current_device(default_type))
     modules = managed_modules(managed, ignored)
-    device_id = resolve_device(args.device_id)
-    materialize(modules, args.param_init_fn, device_id or torch.device("cpu"))
     if device_id is not None:
         move_to(modules, device_id, ignored)
     params = managed_params(modules, ignored)
     buffers = managed_buffers(modules)
-    device = compute_device(params, device_id)
+    device = compute_device(params, device_id, rank)
+    if device_id is None and params and params[0].device.type == "cpu" and device.type != "cpu":
+        _warn_cpu_init()
+    check_scalar_params(managed, params)
     if args.sync_module_states:
-        sync_states(params, buffers, groups.shard, device)
+        # The replicas first, then within each shard group (torch's order).
         if groups.replicate is not None:
             sync_states(params, buffers, groups.replicate, device)
+        sync_states(params, buffers, groups.shard, device)
     config = UnitConfig(
         sharding_strategy=strategy,
         mixed_precision=args.mixed_precision or MixedPrecision(),
@@ -306,6 +439,7 @@ def _build_handle(
         mp.keep_low_precision_grads,
         groups.shard,
         config.use_orig_params,
+        use_unsafe_setattr=config.env.use_unsafe_setattr,
     )
     handle.shard_in_place()
     if config.cpu_offload.offload_params and handle.flat_param.device.type != "cpu":

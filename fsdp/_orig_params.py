@@ -13,6 +13,24 @@ assignment, a new Parameter, a new ``.grad``) are written back into the flat
 parameter. Strategies that do not reshard after forward keep forward's views
 until backward; changing a parameter in between is an error.
 
+[Note: Setting the original names]
+By default the names are set with ``delattr`` and ``setattr``, through
+``nn.Module``'s checks and any ``__setattr__`` override of the module's class,
+as torch's FSDP does. ``FSDP_USE_UNSAFE_SETATTR=1`` (read when a unit is built)
+writes the module's dicts directly instead, bypassing overrides. Forward's views
+with ``use_orig_params`` are always written in place in ``_parameters`` (the
+order of ``named_parameters()`` is kept).
+
+[Note: Cheap between-use bookkeeping]
+Every unit re-points its original names after each reshard and checks them
+for user changes before each unshard, twice per iteration: with many small
+units that dominated a step's CPU time. So the resharded views of the local
+shard are built once per shard tensor and re-used (a parameter already viewing
+the right memory is not touched), the gradient views likewise per gradient
+tensor, and the writeback check first compares each name by identity and data
+pointer with what was last shown, which is all that is needed when nothing
+changed; only a mismatch takes the full comparison.
+
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
 once flattened: holding them would keep their full-size storage alive next to
@@ -42,16 +60,29 @@ class ViewMode(enum.Enum):
     UNSHARDED_PARAMS = enum.auto()  # summon_full_params, state dicts: Parameter views
 
 
-def set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
+    """See [Note: Setting the original names]."""
+    if safe:
+        _safe_setattr(module, name, param)
+        return
     module._parameters[name] = param
     # The instance dict wins over nn.Module.__getattr__ (and subclass
     # __setattr__ overrides are bypassed).
     object.__setattr__(module, name, param)
 
 
-def set_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None:
+    if safe:
+        _safe_setattr(module, name, tensor)
+        return
     module._parameters.pop(name, None)
     object.__setattr__(module, name, tensor)
+
+
+def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
+    if hasattr(module, name):
+        delattr(module, name)
+    setattr(module, name, value)
 
 
 def _check_writeback_shape(tensor: Tensor, expected: torch.Size, is_param: bool) -> None:
@@ -69,12 +100,17 @@ class OrigParamViews:
     layout: FlatParamLayout
     shard: ShardLayout
     use_orig_params: bool
+    safe_setattr: bool  # see [Note: Setting the original names]
     params: list[nn.Parameter]  # the original parameters (use_orig_params only)
     mode: ViewMode
     _forward_tensors: list[Tensor | None]  # forward's views, reused in backward
     _kept_home: Tensor | None  # what forward's kept views point into
     _placeholders: list[ShardedParamPlaceholder]
     _grad_none: list[bool]  # the user set this original gradient to None
+    _resharded: tuple[Tensor, list[Tensor | None]] | None  # a shard and its views
+    _shown_ptrs: list[int]  # data pointer of each parameter as last shown (resharded)
+    _grad_views: tuple[Tensor, list[Tensor | None]] | None  # a gradient and its views
+    _grad_ptrs: list[int]  # data pointer of each parameter's gradient as last shown
 
     def __init__(
         self,
@@ -82,16 +118,22 @@ class OrigParamViews:
         shard: ShardLayout,
         params: tuple[nn.Parameter, ...],
         use_orig_params: bool,
+        safe_setattr: bool,
     ) -> None:
         self.layout = layout
         self.shard = shard
         self.use_orig_params = use_orig_params
+        self.safe_setattr = safe_setattr
         self.params = list(params) if use_orig_params else []
         self.mode = ViewMode.UNSHARDED_PARAMS  # the module's own parameters, until sharded
         self._forward_tensors = [None] * layout.num_params
         self._kept_home = None
         self._placeholders = []
         self._grad_none = [False] * layout.num_params
+        self._resharded = None
+        self._shown_ptrs = [-1] * layout.num_params
+        self._grad_views = None
+        self._grad_ptrs = [-1] * layout.num_params
         self.refresh_placeholders(params[0].dtype, params[0].device)
 
     def refresh_placeholders(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -106,7 +148,17 @@ class OrigParamViews:
     def show_unsharded(self, flat: Tensor, as_params: bool, phase: HandleTrainingState) -> None:
         """The names become views of the unsharded flat parameter: ``nn.Parameter``
         s when ``as_params`` (summon_full_params, state dicts), plain ``Tensor``
-        views otherwise (forward and backward, so autograd reaches ``flat``)."""
+        views otherwise (forward and backward, so autograd reaches ``flat``).
+        In backward, forward's views are shown again when they still view
+        ``flat``'s memory (autograd saved them already; only a recomputed forward
+        reads the names)."""
+        if (
+            phase is HandleTrainingState.BACKWARD_PRE
+            and not as_params
+            and self._forward_views_fit(flat)
+        ):
+            self._show_forward_views()
+            return
         views = self.layout.views(flat)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             if as_params:
@@ -122,14 +174,35 @@ class OrigParamViews:
             param.data = view
         else:
             param = nn.Parameter(view, requires_grad=requires_grad)
-        set_param(info.module, info.param_name, param)
+        set_param(info.module, info.param_name, param, self.safe_setattr)
+
+    def _forward_views_fit(self, flat: Tensor) -> bool:
+        """Every forward view exists and still views its part of ``flat``."""
+        base, size = flat.data_ptr(), flat.element_size()
+        for tensor, offset in zip(self._forward_tensors, self.layout.offsets):
+            if tensor is None or tensor.data_ptr() != base + offset * size:
+                return False
+        return True
+
+    def _show_forward_views(self) -> None:
+        for tensor, info in zip(self._forward_tensors, self.layout.param_infos):
+            assert tensor is not None
+            self._name_tensor(info, tensor)
+        self._alias_shared()
+        self.mode = ViewMode.UNSHARDED_TENSORS
+
+    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+        if not self.use_orig_params:
+            set_tensor(info.module, info.param_name, tensor, self.safe_setattr)
+            return
+        # Stays listed (in place, so the order of ``named_parameters()`` is kept):
+        # forward code may look its parameters up by name.
+        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
+        object.__setattr__(info.module, info.param_name, tensor)
 
     def _set_tensor_view(
         self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState
     ) -> None:
-        if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, view)
-            return
         tensor = view
         saved = self._forward_tensors[i]
         if phase is HandleTrainingState.FORWARD:
@@ -137,18 +210,15 @@ class OrigParamViews:
         elif phase is HandleTrainingState.BACKWARD_PRE and saved is not None:
             saved.data = view  # keeps forward's autograd graph pointing here
             tensor = saved
-        # Stays listed (in place, so the order of ``named_parameters()`` is kept):
-        # forward code may look its parameters up by name.
-        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
-        object.__setattr__(info.module, info.param_name, tensor)
+        self._name_tensor(info, tensor)
 
     def _alias_shared(self) -> None:
         for info in self.layout.shared_param_infos:
             prim = getattr(info.prim_module, info.prim_param_name)
             if isinstance(prim, nn.Parameter):
-                set_param(info.module, info.param_name, prim)
+                set_param(info.module, info.param_name, prim, self.safe_setattr)
             else:
-                set_tensor(info.module, info.param_name, prim)
+                set_tensor(info.module, info.param_name, prim, self.safe_setattr)
 
     def keep_forward_views(self, home: Tensor) -> None:
         """No-reshard strategies: forward's views stay until backward."""
@@ -171,25 +241,50 @@ class OrigParamViews:
             self._show_shard_views(local_shard)
         else:
             for info, placeholder in zip(self.layout.param_infos, self._placeholders):
-                set_tensor(info.module, info.param_name, placeholder)
+                set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
-    def _show_no_shard(self, flat: Tensor) -> None:
-        views = self.layout.views(flat)
-        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
-            if self.use_orig_params:
-                self._set_param_view(i, info, view, True)
+    def _resharded_views(self, local_shard: Tensor) -> list[Tensor | None]:
+        """Each parameter's view of ``local_shard``, built once per shard tensor."""
+        if self._resharded is None or self._resharded[0] is not local_shard:
+            if self.shard.sharded:
+                views = [self.shard.part_of(i, local_shard) for i in range(self.layout.num_params)]
             else:
-                set_tensor(info.module, info.param_name, view)
+                views = list(self.layout.views(local_shard))
+            self._resharded = (local_shard, views)
+        return self._resharded[1]
+
+    def _show_no_shard(self, flat: Tensor) -> None:
+        views = self._resharded_views(flat)
+        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            assert view is not None
+            if self.use_orig_params:
+                self._point(i, view)
+                set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
+            else:
+                set_tensor(info.module, info.param_name, view, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, local_shard: Tensor) -> None:
-        for i, (param, info) in enumerate(zip(self.params, self.layout.param_infos)):
-            part = self.shard.part_of(i, local_shard)
-            param.data = part if part is not None else local_shard.new_empty(0)
-            set_param(info.module, info.param_name, param)
+        views = self._resharded_views(local_shard)
+        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+            self._point(i, view if view is not None else local_shard.new_empty(0))
+            set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
         self._alias_shared()
+
+    def _point(self, i: int, view: Tensor) -> None:
+        """``params[i].data = view`` unless it already views that memory (an empty
+        view has no memory: its dtype and device must match, e.g. after ``.half()``)."""
+        param = self.params[i]
+        if (
+            param.data_ptr() != view.data_ptr()
+            or param.shape != view.shape
+            or param.dtype != view.dtype
+            or param.device != view.device
+        ):
+            param.data = view
+        self._shown_ptrs[i] = param.data_ptr()
 
     def release(self) -> None:
         """Removes every original name from its module (around ``module._apply``)."""
@@ -206,9 +301,22 @@ class OrigParamViews:
         """Each original gradient becomes the view of its part of the sharded
         gradient, except where the user set it to None since the last backward
         (another optimizer's ``zero_grad(set_to_none=True)``)."""
+        views = self._sharded_grad_views(grad)
         for i, param in enumerate(self.params):
-            exposed = grad is not None and param.requires_grad and not self._grad_none[i]
-            assign_grad(param, self.shard.part_of(i, grad) if exposed else None)  # type: ignore[arg-type]
+            exposed = views is not None and param.requires_grad and not self._grad_none[i]
+            wanted = views[i] if exposed else None  # type: ignore[index]
+            if param.grad is not wanted:
+                assign_grad(param, wanted)
+            self._grad_ptrs[i] = param.grad.data_ptr() if param.grad is not None else -1
+
+    def _sharded_grad_views(self, grad: Tensor | None) -> list[Tensor | None] | None:
+        if grad is None:
+            self._grad_views = None
+            return None
+        if self._grad_views is None or self._grad_views[0] is not grad:
+            views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
+            self._grad_views = (grad, views)
+        return self._grad_views[1]
 
     def show_unsharded_grads(self, grad: Tensor | None) -> None:
         """Unsharded gradient views (no_sync, summon_full_params(with_grads))."""
@@ -221,6 +329,12 @@ class OrigParamViews:
         """A newly reduced gradient covers every parameter again."""
         self._grad_none = [False] * self.layout.num_params
 
+    def forget_grads(self) -> None:
+        """The flat gradient was cleared: the cached views must not keep its
+        memory alive (a whole flat gradient per unit through the next forward
+        and backward)."""
+        self._grad_views = None
+
     def all_grads_cleared(self) -> bool:
         return all(p.grad is None for p in self.params if p.requires_grad)
 
@@ -229,7 +343,10 @@ class OrigParamViews:
     def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> bool:
         """Copies user changes of original parameters (``.data`` or a new
         Parameter) and of their gradients into the flat parameter's shard and
-        gradient; returns whether anything was written."""
+        gradient; returns whether anything was written (see [Note: Cheap
+        between-use bookkeeping] for the fast path)."""
+        if self._unchanged(flat_param):
+            return False
         wrote = False
         for i, info in enumerate(self.layout.param_infos):
             if self.shard.param_range(i) is None or not hasattr(info.module, info.param_name):
@@ -238,6 +355,37 @@ class OrigParamViews:
             if self.mode is not ViewMode.KEPT_FORWARD:
                 wrote |= self._writeback_grad(i, flat_param, grads)
         return wrote
+
+    def _unchanged(self, flat_param: FlatParameter) -> bool:
+        """Every name still holds the parameter last shown, viewing the same memory,
+        with the gradient view last shown (or no gradient where none was)."""
+        if self.mode is not ViewMode.RESHARDED:
+            return False
+        flat_grad = flat_param.grad
+        views = (
+            self._grad_views[1] if self._grad_views and self._grad_views[0] is flat_grad else None
+        )
+        for i, info in enumerate(self.layout.param_infos):
+            param = self.params[i]
+            if self._shown_under(info) is not param:
+                return False
+            if param.data_ptr() != self._shown_ptrs[i]:
+                return False
+            exposed = views is not None and param.requires_grad and not self._grad_none[i]
+            expected = views[i] if exposed else None  # type: ignore[index]
+            grad = param.grad
+            if grad is not expected and not (grad is None and flat_grad is None):
+                return False
+            if grad is not None and grad.data_ptr() != self._grad_ptrs[i]:
+                return False  # ``.grad.data`` was replaced
+        return True
+
+    def _shown_under(self, info: ParamInfo) -> object:
+        """What the module holds under the name, where ``set_param`` put it
+        (see [Note: Setting the original names])."""
+        if self.safe_setattr:
+            return info.module._parameters.get(info.param_name)
+        return info.module.__dict__.get(info.param_name)
 
     def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
         current = getattr(info.module, info.param_name)

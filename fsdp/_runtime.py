@@ -23,42 +23,67 @@
 Under ``no_sync()`` the post-backward hook keeps the unsharded gradient and
 returns; the next synchronised backward reduces the accumulated sum.
 
+[Note: Forward inputs keep their identity]
+The root moves inputs to the compute device through lists, tuples, dicts,
+namedtuples (a ``PackedSequence`` too) and the other pytree containers; units
+cast them (mixed precision) and hook outputs through what ``_apply_to_tensors``
+reaches (dataclasses and sets as well, see fsdp._utils). When no tensor of an
+argument needed changing, the module gets the caller's objects themselves, not
+rebuilt copies: a module may add to a list or dict it is given and the caller
+may look (torch's ``_recursive_to`` after its fix for this, pytorch#157832).
+When one did, the containers on its path are rebuilt.
+
 [Note: FSDP under torch.compile]
 Compiling a model that FSDP wraps compiles the modules' own computation; the
 FSDP hooks (unshard, reshard, reduce) run eagerly: dynamo breaks the graph at
 them instead of tracing storage resizes and collectives it cannot capture.
 
-[Note: Execution order and prefetch]
-The first iteration records the order in which units run forward. Forward
-prefetch unshards the next unit in that order; backward prefetch the previous
-one (backward runs in reverse). A unit is prefetched only if it still needs an
-unshard, so prefetching never adds an all-gather.
+Prefetching and the check of the forward order across ranks follow the orders
+recorded in fsdp._exec_order (see [Note: Execution order and prefetch] there);
+``_get_handle_to_prefetch`` picks the unit to prefetch (tests patch that seam).
+
+[Note: Communication hooks]
+``register_comm_hook(state, hook)`` on the root gives every unit of its tree a
+hook that replaces the gradient reduction (torch's semantics): sharded
+strategies call ``hook(state, padded_unsharded_grad, output)``, where ``output``
+is an empty shard the hook must fill; ``NO_SHARD`` calls ``hook(state, grad)``,
+which reduces ``grad`` in place. The hook divides as it sees fit (the default
+path divides by ``pre`` before and ``post`` after the collective). The gradient
+reaches the hook in the reduce dtype, except for torch's two low-precision
+hooks (``fp16_compress_hook``, ``bf16_compress_hook``), which cast it
+themselves and, as in torch, get it in the dtype backward produced. Whatever
+dtype the hook leaves, the result is cast to the gradient dtype the optimizer
+expects. Hybrid strategies refuse hooks (their reduction has two steps).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp import _comm, _registry
 from fsdp._common import (
     FLAT_PARAM,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     EnvSwitches,
+    HandleTrainingState,
     ProcessGroups,
     TrainingState,
+    clean_tensor_name,
+    profiler_label,
 )
+from fsdp._exec_order import ExecutionOrder
 from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._storage import free_storage
 from fsdp._streams import CommStreams
+from fsdp._utils import _apply_to_tensors
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -70,6 +95,10 @@ from fsdp.api import (
     StateDictSettings,
     StateDictType,
 )
+
+# The attributes every unit of one tree must agree on (torch's names; the
+# process group is not one of them, for hybrid sharding and MoE).
+HOMOGENEOUS_ATTR_NAMES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,40 +119,29 @@ class UnitConfig:
     use_orig_params: bool
     env: EnvSwitches
 
+    def homogeneous_values(self) -> tuple[bool, bool, bool]:
+        """The values of ``HOMOGENEOUS_ATTR_NAMES``, in that order."""
+        return (self.use_orig_params, self.limit_all_gathers, self.env.use_full_prec_in_eval)
+
     @property
     def keeps_unsharded_after_forward(self) -> bool:
         """The strategy keeps the unsharded parameter from forward to backward."""
         return self.sharding_strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
 
 
-class ExecutionOrder:
-    """The order in which handles run forward, recorded in the first iteration."""
+CommHook = Callable[..., None]
 
-    forward: list[FlatParamHandle]
-    recording: bool
+# torch's low-precision hooks (see [Note: Communication hooks]), known by name:
+# this package does not import torch's hook module.
+_LOW_PRECISION_HOOKS = frozenset(
+    ("torch.distributed.algorithms._comm_hooks.default_hooks", name)
+    for name in ("fp16_compress_hook", "bf16_compress_hook")
+)
 
-    def __init__(self) -> None:
-        self.forward = []
-        self.recording = True
 
-    def record(self, handle: FlatParamHandle) -> None:
-        if self.recording and handle not in self.forward:
-            self.forward.append(handle)
-
-    def next_iteration(self) -> None:
-        self.recording = False
-
-    def _neighbour(self, handle: FlatParamHandle, step: int) -> FlatParamHandle | None:
-        if handle not in self.forward:
-            return None
-        index = self.forward.index(handle) + step
-        return self.forward[index] if 0 <= index < len(self.forward) else None
-
-    def forward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        return None if self.recording else self._neighbour(handle, 1)
-
-    def backward_next(self, handle: FlatParamHandle) -> FlatParamHandle | None:
-        return self._neighbour(handle, -1)
+def _is_low_precision_hook(hook: CommHook | None) -> bool:
+    key = (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
+    return key in _LOW_PRECISION_HOOKS
 
 
 @dataclass
@@ -133,11 +151,47 @@ class RootContext:
     root: FSDPState
     states: list[FSDPState]
     streams: CommStreams
-    exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    exec_order: ExecutionOrder
     backward_started: bool = False
+
+    @classmethod
+    def of(cls, root: FSDPState, states: list[FSDPState]) -> RootContext:
+        streams = CommStreams(root.compute_device, root.config.limit_all_gathers)
+        handles = [s.handle for s in states if s.handle is not None]
+        fqns = _fqns_from_root(root.module)
+        order = ExecutionOrder(handles, fqns, root.process_group, root.config.env.check_exec_order)
+        return cls(root, states, streams, order)
 
     def state_of(self, handle: FlatParamHandle) -> FSDPState:
         return next(s for s in self.states if s.handle is handle)
+
+
+class UnshardHandle:
+    """What ``_unshard(async_op=True)`` returns: ``wait()`` makes the current
+    stream wait for the all-gather (nothing to wait for on the CPU)."""
+
+    _streams: CommStreams
+    _event: torch.cuda.Event | None
+
+    def __init__(self, streams: CommStreams, event: torch.cuda.Event | None) -> None:
+        self._streams = streams
+        self._event = event
+
+    def wait(self) -> None:
+        self._streams.compute_waits(self._event)
+        self._event = None
+
+
+def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
+    """Each handle's original parameter names as seen from the root (no wrapper prefixes)."""
+    fqns = {}
+    for name, module in root.named_modules():
+        state = _registry.state_of(module)
+        if state is None or state.handle is None or state.handle in fqns:
+            continue
+        prefix = clean_tensor_name(f"{name}.") if name else ""
+        fqns[state.handle] = [prefix + fqn for fqn in state.handle.fqns]
+    return fqns
 
 
 def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -146,14 +200,23 @@ def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
-    return tree_map_only(Tensor, cast, args), tree_map_only(Tensor, cast, kwargs)
+    cast_args, cast_kwargs = _apply_to_tensors(cast, (args, kwargs))
+    return cast_args, cast_kwargs
 
 
 def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    def move(t: Tensor) -> Tensor:
-        return t if t.device == device else t.to(device)
+    """See [Note: Forward inputs keep their identity]."""
 
-    return tree_map_only(Tensor, move, args), tree_map_only(Tensor, move, kwargs)
+    def move(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        moved = [
+            x.to(device) if isinstance(x, Tensor) and x.device != device else x for x in leaves
+        ]
+        if all(new is old for new, old in zip(moved, leaves)):
+            return tree
+        return tree_unflatten(moved, spec)
+
+    return move(args), move(kwargs)
 
 
 class FSDPState:
@@ -177,6 +240,8 @@ class FSDPState:
     state_dict_settings: StateDictSettings
     registers_flat_param: bool
     device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
+    comm_hook: CommHook | None  # see [Note: Communication hooks]
+    comm_hook_state: object
 
     def __init__(
         self,
@@ -208,6 +273,8 @@ class FSDPState:
         )
         self.registers_flat_param = True
         self.device_mesh = None
+        self.comm_hook = None
+        self.comm_hook_state = None
         _registry.register(module, self)
 
     @property
@@ -217,6 +284,14 @@ class FSDPState:
     @property
     def state_dict_config(self) -> StateDictConfig:
         return self.state_dict_settings.state_dict_config
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self.config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self.config.forward_prefetch
 
     # -- tree --------------------------------------------------------------------------
 
@@ -239,8 +314,8 @@ class FSDPState:
         if self.is_root is not None:
             return
         states = self.subtree_states()
-        streams = CommStreams(self.compute_device, self.config.limit_all_gathers)
-        context = RootContext(self, states, streams)
+        _check_homogeneous(states)
+        context = RootContext.of(self, states)
         for state in states:
             state.is_root = state is self
             state.root_context = context
@@ -258,6 +333,7 @@ class FSDPState:
         if handle is not None:
             self._check_flat_param_device(handle)
             handle.lazy_init()
+            handle.find_optimizers_in_backward()
         for module, name in self.buffers:
             buffer = module._buffers[name]
             if buffer is not None:
@@ -305,11 +381,16 @@ class FSDPState:
         self.lazy_init()
         if not self.is_root:
             return args, kwargs
-        with record_function("FSDP::root_pre_forward"):
+        with profiler_label("FSDP::root_pre_forward"):
             context = self.root
             context.streams.unshard_waits_for_compute()
+            context.exec_order.begin_root_forward()
             for state in context.states:
                 state._cast_buffers(state.full_precision_now())
+                if state.handle is not None:
+                    state.handle.sync_requires_grad()
+                if self.config.forward_prefetch and state.handle is not None:
+                    state.handle.prefetched = False
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
@@ -325,17 +406,17 @@ class FSDPState:
         handle = self.handle
         if handle is None or handle.recomputing_in_backward():
             return args, kwargs
-        with record_function("FSDP::pre_forward"):
+        with profiler_label("FSDP::pre_forward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             handle.begin_forward(self.full_precision_now())
-            self.root.exec_order.record(handle)
+            self.root.exec_order.record_pre_forward(handle, self.module.training)
             self.unshard(handle)
             self.wait_for_unshard(handle)
             handle._use_unsharded_views(as_params=False)
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
-            if self.config.forward_prefetch:
-                self._prefetch(self.root.exec_order.forward_next(handle), in_backward=False)
+                self._register_post_backward_reshard_only_hook(handle, args, kwargs)
+            self._prefetch_after(handle)
         return args, kwargs
 
     @_eager
@@ -346,8 +427,9 @@ class FSDPState:
         handle = self.handle
         if handle is not None and handle.recomputing_in_backward():
             return output
-        with record_function("FSDP::post_forward"):
+        with profiler_label("FSDP::post_forward"):
             if handle is not None:
+                self.root.exec_order.record_post_forward(handle)
                 keeps = self.config.keeps_unsharded_after_forward
                 # NO_SHARD has nothing to free; the root's backward starts right away.
                 free = not (keeps or self.is_root or not handle.uses_sharded_strategy)
@@ -368,12 +450,25 @@ class FSDPState:
                 tensor.register_hook(self._make_pre_backward_hook(handle))
             return tensor
 
-        return tree_map_only(Tensor, register, output)
+        return _apply_to_tensors(register, output)
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
         (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
         handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+
+    def _register_post_backward_reshard_only_hook(
+        self, handle: FlatParamHandle, args: Any, kwargs: Any
+    ) -> None:
+        """A unit whose flat parameter needs no gradient has no post-backward
+        hook: it reshards once the gradients of its inputs are computed (all
+        gradients that need its parameters are then done). Inputs that need no
+        gradient leave it to the end of backward."""
+        if handle.flat_param.requires_grad:
+            return
+        inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        if inputs:
+            handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
 
     # -- backward ------------------------------------------------------------------------
 
@@ -392,14 +487,13 @@ class FSDPState:
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
         if handle is None or not handle.begin_backward():
             return
-        with record_function("FSDP::pre_backward"):
+        with profiler_label("FSDP::pre_backward"):
             self.training_state = TrainingState.FORWARD_BACKWARD
             self.unshard(handle)
             self.wait_for_unshard(handle)
             handle._use_unsharded_views(as_params=False)
             handle.prepare_gradient_for_backward()
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                self._prefetch(context.exec_order.backward_next(handle), in_backward=True)
+            self._prefetch_after(handle)
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
         def hook() -> None:
@@ -408,32 +502,82 @@ class FSDPState:
         return hook
 
     @_eager
-    def _post_backward(self, handle: FlatParamHandle) -> None:
-        with record_function("FSDP::post_backward"):
+    def _post_backward(self, handle: FlatParamHandle, in_backward: bool = True) -> None:
+        """Reshards, prefetches (not once backward is over) and reduces."""
+        with profiler_label("FSDP::post_backward"):
             handle.end_backward()
             if handle.flat_param.grad is None:
                 return
+            if in_backward:
+                self._post_backward_reshard(handle)
+            else:
+                self.reshard(handle, free=self._frees_in_backward())
             if not self.sync_gradients:
                 handle.keep_unsharded_grad()
                 return
-            self.reshard(handle, free=True)
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                self._prefetch(self.root.exec_order.backward_next(handle), in_backward=True)
             self._reduce_grad(handle)
+
+    def _frees_in_backward(self) -> bool:
+        """Backward frees the unsharded parameter, except under ``no_sync`` for
+        the strategies that keep it from forward to backward: the next forward
+        then needs no all-gather (torch's trade of memory for speed)."""
+        return self.sync_gradients or not self.config.keeps_unsharded_after_forward
+
+    def _make_reshard_only_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
+        def hook() -> None:
+            self._post_backward_reshard_only(handle)
+
+        return hook
+
+    @_eager
+    def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
+        with profiler_label("FSDP::post_backward_reshard_only"):
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle.end_backward()
+            self._post_backward_reshard(handle)
+
+    def _post_backward_reshard(self, handle: FlatParamHandle) -> None:
+        """Reshards after the unit's backward and prefetches. Runs once per unit
+        and backward, from its post-backward hook or its reshard-only hook, never
+        from the end of backward: tests count it."""
+        self.reshard(handle, free=self._frees_in_backward())
+        self._prefetch_after(handle)
 
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
         grad = handle.take_unsharded_grad()
         assert grad is not None
-        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
         with self.root.streams.on_reduce(grad):
             reduce_dtype = handle.reduce_dtype()
-            grad = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
-            if pre > 1:
-                grad.div_(pre)
-            reduced = self._reduce(handle, grad)
-            if post > 1:
-                reduced.div_(post)
+            if grad.dtype != reduce_dtype and not _is_low_precision_hook(self.comm_hook):
+                grad = grad.to(reduce_dtype)
+            if self.comm_hook is None:
+                reduced = self._default_reduce(handle, grad)
+            else:
+                reduced = self._hook_reduce(handle, grad)
             handle.set_reduced_grad(reduced)
+            if handle.has_optim_in_backward:
+                handle.step_optimizers_in_backward()
+
+    def _default_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        """Averages over the data-parallel ranks, dividing in two steps (see
+        ``_comm.gradient_divide_factors``)."""
+        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
+        if pre > 1:
+            grad.div_(pre)
+        reduced = self._reduce(handle, grad)
+        if post > 1:
+            reduced.div_(post)
+        return reduced
+
+    def _hook_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        """Hands the reduction to the registered hook (see [Note: Communication hooks])."""
+        assert self.comm_hook is not None
+        if not handle.uses_sharded_strategy:
+            self.comm_hook(self.comm_hook_state, grad)
+            return grad
+        padded, output = self._reduce_scatter_tensors(handle, grad)
+        self.comm_hook(self.comm_hook_state, padded, output)
+        return output
 
     def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
         """Sums the gradient over the shard group (reduce-scatter, or all-reduce
@@ -451,13 +595,18 @@ class FSDPState:
         return reduced
 
     def _reduce_scatter(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
+        padded, reduced = self._reduce_scatter_tensors(handle, grad)
+        _comm.reduce_scatter(reduced, padded, self.process_group)
+        return reduced
+
+    @staticmethod
+    def _reduce_scatter_tensors(handle: FlatParamHandle, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The padded unsharded gradient and an empty shard for the result."""
         padded = grad
         if grad.numel() != handle.padded_numel:
             padded = torch.zeros(handle.padded_numel, dtype=grad.dtype, device=grad.device)
             padded[: grad.numel()].copy_(grad)
-        reduced = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-        _comm.reduce_scatter(reduced, padded, self.process_group)
-        return reduced
+        return padded, torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
 
     def _data_parallel_size(self) -> int:
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
@@ -466,7 +615,7 @@ class FSDPState:
     @_eager
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback."""
-        with record_function("FSDP::post_backward_final_callback"):
+        with profiler_label("FSDP::post_backward_final_callback"):
             context = self.root
             for state in context.states:
                 state._post_backward_if_missed()
@@ -485,15 +634,16 @@ class FSDPState:
         ran (the first forward's graph was dropped) is finished here."""
         handle = self.handle
         if handle is not None and handle.backward_missed():
-            self._post_backward(handle)
+            self._post_backward(handle, in_backward=False)
 
     def _finalize_unit(self) -> None:
         handle = self.handle
         self.training_state = TrainingState.IDLE
         if handle is None:
             return
-        if handle.is_unsharded() or handle.holds_unsharded_buffers():
-            self.reshard(handle, free=True)  # also a copy kept for a backward that never ran
+        free = self._frees_in_backward()
+        if handle.is_unsharded() or (free and handle.holds_unsharded_buffers()):
+            self.reshard(handle, free)  # also a copy kept for a backward that never ran
         handle.finish_iteration(synced=self.sync_gradients)
 
     # -- unshard / reshard ------------------------------------------------------------------
@@ -512,7 +662,7 @@ class FSDPState:
                 handle.finish_unshard(ready)
             return
         streams = self.root.streams
-        with streams.on_unshard(), record_function("FSDP::unshard"):
+        with streams.on_unshard(), profiler_label("FSDP::unshard"):
             unsharded = handle.unshard_input()
             if handle.uses_sharded_strategy:
                 buffer = handle.unsharded_buffer()
@@ -539,9 +689,12 @@ class FSDPState:
         if int(missing.item()) == self.world_size:
             handle.use_unsharded_grad(None)
             return
+        # Every rank gathers in the gradients' dtype (low precision with
+        # keep_low_precision_grads), also one that has none and sends zeros.
+        dtype = handle.grad_dtype()
         if sharded is None:
-            sharded = torch.zeros_like(handle.flat_param._local_shard, device=handle.device)
-        local = sharded.to(handle.device).contiguous()
+            sharded = torch.zeros_like(handle.flat_param._local_shard, dtype=dtype)
+        local = sharded.to(handle.device, dtype).contiguous()
         unsharded = torch.empty(handle.padded_numel, dtype=local.dtype, device=local.device)
         _comm.all_gather(unsharded, local, self.process_group)
         handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])
@@ -558,19 +711,50 @@ class FSDPState:
         self.root.streams.release(handle.buffers_freed_by_reshard(free))
         handle.reshard(free, use_sharded_views)
 
-    def _prefetch(self, target: FlatParamHandle | None, in_backward: bool) -> None:
-        """Starts ``target``'s all-gather early; its own pre-hook later finds the
-        data ready. Only a sharded unit that still needs its data (in backward:
-        one whose backward has not started) is prefetched, so prefetching never
-        adds an all-gather."""
-        if target is None or not target.uses_sharded_strategy or target.is_unsharded():
-            return
-        if in_backward and not target.awaits_backward():
-            return
-        state = self.root.state_of(target)
-        target.set_force_full_precision(state.full_precision_now())
-        with record_function("FSDP::prefetch"):
-            state.unshard(target, prefetch=True)
+    def _get_handle_to_prefetch(self, current_handle: FlatParamHandle) -> FlatParamHandle | None:
+        """The handle to unshard ahead of its use now that ``current_handle``'s
+        hook runs, by its training state (forward, pre- or post-backward) and this
+        unit's prefetch settings; None for none (see [Note: Execution order and
+        prefetch] in fsdp._exec_order). The seam tests patch (torch's
+        ``_runtime_utils._get_handle_to_prefetch(state, current_handle)``)."""
+        order = self.root.exec_order
+        training_state = current_handle.training_state
+        prefetch = self.config.backward_prefetch
+        if (
+            training_state is HandleTrainingState.BACKWARD_PRE
+            and prefetch is BackwardPrefetch.BACKWARD_PRE
+        ) or (
+            training_state is HandleTrainingState.BACKWARD_POST
+            and prefetch is BackwardPrefetch.BACKWARD_POST
+        ):
+            candidate = order.backward_candidate(current_handle)
+            if candidate is not None and candidate.awaits_backward() and not candidate.prefetched:
+                return candidate
+        elif training_state is HandleTrainingState.FORWARD and self.config.forward_prefetch:
+            candidate = order.forward_candidate(current_handle)
+            if candidate is not None and not candidate.prefetched:
+                return candidate
+        return None
+
+    def _prefetch_after(self, handle: FlatParamHandle) -> None:
+        target = self._get_handle_to_prefetch(handle)
+        if target is not None:
+            self.root.state_of(target).unshard_ahead()
+
+    def unshard_ahead(self) -> torch.cuda.Event | None:
+        """Starts this unit's all-gather ahead of its use (a prefetch, or
+        ``_unshard``); its own unshard later finds the data ready. Returns the
+        event the all-gather's users wait for (CUDA). Nothing is gathered for a
+        unit that holds its data already (``NO_SHARD``, kept since forward)."""
+        handle = self.handle
+        if handle is None:
+            return None
+        handle.prefetched = True
+        if handle.uses_sharded_strategy and not handle.is_unsharded():
+            handle.set_force_full_precision(self.full_precision_now())
+            with profiler_label("FSDP::prefetch"):
+                self.unshard(handle, prefetch=True)
+        return handle.pending_unshard_event()
 
     # -- the flat parameter as a registered parameter of the wrapper --------------------
 
@@ -595,8 +779,28 @@ class FSDPState:
             )
 
 
+def _check_homogeneous(states: list[FSDPState]) -> None:
+    """Torch's check at lazy initialisation, with its message."""
+    for i, name in enumerate(HOMOGENEOUS_ATTR_NAMES):
+        values = {state.config.homogeneous_values()[i] for state in states}
+        if len(values) != 1:
+            raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
+
+
 def _needs_grad(output: Any) -> bool:
     """Whether any tensor of a forward's output needs a gradient (its backward will run)."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output))
+    return any(t.requires_grad for t in _tensors_in(output))
+
+
+def _tensors_in(tree: Any) -> list[Tensor]:
+    """Every tensor of ``tree``, found as ``_apply_to_tensors`` finds them."""
+    found: list[Tensor] = []
+
+    def visit(tensor: Tensor) -> Tensor:
+        found.append(tensor)
+        return tensor
+
+    _apply_to_tensors(visit, tree)
+    return found

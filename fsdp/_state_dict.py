@@ -25,8 +25,10 @@ module saves them (not copied).
   there are fewer chunks than ranks, nothing), whose metadata every rank builds
   alone (no communication). With ``_use_dtensor`` or a ``device_mesh`` the value
   is a ``DTensor`` sharded on the mesh's last dimension instead. Load gathers
-  each parameter (padded chunks through ``fsdp._comm``; a ``DTensor`` gathers
-  itself), every rank in the same order, then loads it as full. A 0-dim
+  each parameter (``full_tensor``: padded rows through ``fsdp._comm``, over the
+  group the value is chunked over, so also from another wrapping; a
+  ``DTensor``'s own ``full_tensor`` would bypass the seam and keep its group
+  referenced), every rank in the same order, then loads it as full. A 0-dim
   parameter cannot be chunked and stays a plain tensor.
 - ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
   ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
@@ -77,12 +79,13 @@ from torch.distributed._shard.sharded_tensor import (
     ShardedTensorMetadata,
     TensorProperties,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp import _comm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name
 from fsdp._runtime import FSDPState
 from fsdp._unshard_params import SummonedUnit, ensure_initialized, validate_unshard
+from fsdp._utils import _replace_by_prefix
 from fsdp.api import (
     FullStateDictConfig,
     ShardedStateDictConfig,
@@ -164,12 +167,8 @@ def _strip_wrapper_prefix(state_dict: dict[str, Any], prefix: str) -> None:
 
 def _insert_wrapper_prefix(state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
     """Inserts the wrapper prefix into the keys under ``prefix`` (wrappers only)."""
-    if not _is_wrapper(state):
-        return
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        rest = key[len(prefix) :]
-        if not rest.startswith(FSDP_PREFIX):
-            state_dict[prefix + FSDP_PREFIX + rest] = state_dict.pop(key)
+    if _is_wrapper(state):
+        _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
 
 
 def _save_buffers(
@@ -262,41 +261,53 @@ def _chunked(full: Tensor, state: FSDPState) -> ShardedTensor:
     return _sharded_tensor(local, state.rank, pieces, full.size(), full, state)
 
 
-def _chunked_dtensor(full: Tensor, state: FSDPState) -> DTensor:
+def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> DTensor:
+    """This rank's rows of ``value`` as a ``DTensor`` sharded on dim 0 over the
+    unit's mesh (the constructor's, or one over its process group; replicated
+    over the other dimensions); a 0-dim ``value`` is replicated."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as DShard
 
     mesh = state.device_mesh
     if mesh is None:
         mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
+    full = value.detach()
+    if full.dim() == 0:
+        local = full.cpu() if offload_to_cpu else full.clone()
+        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
     placements = [Replicate() for _ in range(mesh.ndim - 1)] + [DShard(0)]
     chunks = torch.chunk(full, state.world_size, dim=0)
     local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
+    local = local.cpu() if offload_to_cpu else local.clone()
     return DTensor.from_local(
-        local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
 
 
-def _gathered(value: ShardedTensor, state: FSDPState) -> Tensor:
-    """The full tensor of a dim-0 chunked ``ShardedTensor`` (every rank gathers)."""
-    size = value.size()
-    numel = size.numel()
-    chunk = math.ceil(size[0] / state.world_size) * numel // size[0]
-    shards = value.local_shards()
-    if len(shards) > 1:
-        raise AssertionError(
-            f"Expects 0 or 1 shard per rank but got {len(shards)} shards on rank {state.rank}."
-        )
-    device = state.compute_device
-    if shards:
-        local = shards[0].tensor.flatten().to(device)
-        local = F.pad(local, [0, chunk - local.numel()])
+def full_tensor(value: Tensor, device: torch.device) -> Tensor:
+    """The full tensor of a ``ShardedTensor`` / ``DTensor`` chunked by rows
+    (``torch.chunk`` over dim 0), all-gathered through ``fsdp._comm`` over the
+    group it is chunked over, so also into another wrapping. (``DTensor.full_tensor``
+    would bypass the seam, and its functional collectives keep the group
+    referenced after it is destroyed.)"""
+    if isinstance(value, DTensor):
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return value.to_local()
+        group, local = value.device_mesh.get_group(value.device_mesh.ndim - 1), value.to_local()
     else:
-        local = torch.zeros(chunk, dtype=value.dtype, device=device)
-    gathered = torch.empty(chunk * state.world_size, dtype=local.dtype, device=device)
-    _comm.all_gather(gathered, local.contiguous(), state.process_group)
-    return gathered.narrow(0, 0, numel).reshape(size)
+        assert isinstance(value, ShardedTensor)
+        shards = value.local_shards()
+        if len(shards) > 1:
+            raise AssertionError(f"Expects 0 or 1 shard per rank but got {len(shards)} shards.")
+        group, local = value._process_group, shards[0].tensor if shards else None
+    shape = value.shape
+    rows = math.ceil(shape[0] / group.size())
+    chunk = torch.zeros((rows, *shape[1:]), dtype=value.dtype, device=device)
+    if local is not None:
+        chunk[: local.shape[0]].copy_(local)
+    full = chunk.new_empty(chunk.numel() * group.size())
+    _comm.all_gather(full, chunk.reshape(-1), group)
+    return full[: shape.numel()].view(shape)
 
 
 def _valid_numel(state: FSDPState, rank: int) -> int:
@@ -425,14 +436,13 @@ class _ShardedStateDict(_FullStateDict):
     def save_param(self, value: Tensor, state: FSDPState, config: StateDictConfig) -> Tensor:
         assert isinstance(config, ShardedStateDictConfig)
         value = value.detach()
-        sharded: Tensor
+        offload = config.offload_to_cpu
         if value.dim() == 0:
-            sharded = value.clone()
-        elif config._use_dtensor or state.device_mesh is not None:
-            sharded = _chunked_dtensor(value, state)
-        else:
-            sharded = _chunked(value, state)
-        return sharded.cpu() if config.offload_to_cpu else sharded
+            return value.cpu() if offload else value.clone()
+        if config._use_dtensor or state.device_mesh is not None:
+            return _row_shard(value, state, offload)
+        sharded = _chunked(value, state)
+        return sharded.cpu() if offload else sharded
 
     def pre_load(
         self, state: FSDPState, state_dict: dict[str, Any], prefix: str
@@ -440,10 +450,8 @@ class _ShardedStateDict(_FullStateDict):
         # Every rank gathers the same parameters in the same (flat) order.
         for key in _UnitKeys(state, prefix).params:
             value = state_dict.get(key)
-            if isinstance(value, ShardedTensor):
-                state_dict[key] = _gathered(value, state)
-            elif isinstance(value, DTensor):
-                state_dict[key] = value.full_tensor()
+            if isinstance(value, (ShardedTensor, DTensor)):
+                state_dict[key] = full_tensor(value, state.compute_device)
         return super().pre_load(state, state_dict, prefix)
 
 

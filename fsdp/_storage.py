@@ -10,7 +10,10 @@ resized to full size and back to 0; the tensor object stays. Views created in
 forward from that buffer therefore become valid again when backward re-fills
 the storage, which is what lets autograd use forward's views after a reshard.
 Under parameter mixed precision the shard is first cast into ``_mp_shard``
-(for ``NO_SHARD`` that cast is the unsharded parameter itself). The storage
+(for ``NO_SHARD`` that cast is the unsharded parameter itself). An offloaded
+shard is always copied for unsharding, also when the compute device is the CPU,
+and ``summon_full_params(offload_to_cpu=True)`` always exposes a copy: what
+``writeback`` decides must not depend on where the computation runs. The storage
 issues no collective: the runtime asks it for the all-gather input and output,
 runs the collective through ``fsdp._comm``, then hands the result back.
 
@@ -213,7 +216,7 @@ class FlatParamStorage:
         if buffer is not None:
             return None if storage_freed(buffer) else buffer
         local = self.flat_param._local_shard
-        return local if local.device == self.device else None
+        return local if local.device == self.device and not self.offload_params else None
 
     def unshard_input(self) -> Tensor:
         """The all-gather input (sharded strategies) or the unsharded parameter
@@ -226,8 +229,10 @@ class FlatParamStorage:
             with torch.no_grad():
                 mp_shard.copy_(local, non_blocking=True)
             return mp_shard
-        if local.device != self.device:
-            return local.to(self.device, non_blocking=True)
+        if local.device != self.device or self.offload_params:
+            # An offloaded shard is copied even when the compute device is the
+            # CPU: the unsharded parameter is never the offloaded storage itself.
+            return local.to(self.device, non_blocking=True, copy=True)
         return local
 
     def unsharded_buffer(self) -> Tensor:
@@ -251,11 +256,10 @@ class FlatParamStorage:
 
     def unsharded_to_cpu(self) -> Tensor:
         """summon_full_params(offload_to_cpu=True): the flat parameter becomes a
-        CPU copy of the unsharded data; returns the device data. A copy also
-        when the compute device is the CPU: the caller frees the device data."""
+        CPU copy of the unsharded data; returns the device data."""
         assert self.is_unsharded(), self.state
         device_data = self.flat_param.data
-        self.flat_param.data = device_data.to(torch.device("cpu"), copy=True)
+        self.flat_param.data = device_data.to("cpu", copy=True)  # also when computing on the CPU
         return device_data
 
     # -- reshard ---------------------------------------------------------------------
@@ -264,8 +268,8 @@ class FlatParamStorage:
         """Points the flat parameter back at the local shard; returns the data it
         pointed at. ``free_unsharded`` frees the unsharded storage (the runtime
         made sure no pending kernel reads it); otherwise it is kept for the next
-        unshard (a ``NO_SHARD`` low-precision copy is always freed: it is rebuilt
-        without communication)."""
+        unshard (a ``NO_SHARD`` low-precision copy is always freed, as torch's
+        FSDP does: it is rebuilt without communication)."""
         flat_param = self.flat_param
         previous = flat_param.data
         flat_param.data = flat_param._local_shard

@@ -86,6 +86,11 @@ class CommStreams:
         if event is not None:
             self.current().wait_event(event)
 
+    def compute_waits_for_unshard(self) -> None:
+        """The current stream waits for every all-gather issued so far."""
+        if self.unshard is not None:
+            self.current().wait_stream(self.unshard)
+
     def release(self, tensors: list[Tensor]) -> None:
         """``tensors`` (allocated on the unshard stream) are about to be freed
         after use on the current stream."""

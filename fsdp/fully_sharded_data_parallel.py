@@ -9,14 +9,20 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 
+from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState
+from fsdp._common import (
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    HYBRID_SHARDING_STRATEGIES,
+    TrainingState,
+    profiler_label,
+)
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
-from fsdp._runtime import FSDPState
+from fsdp._runtime import CommHook, FSDPState, UnshardHandle
 from fsdp._state_dict import StateDictHooks
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
@@ -26,6 +32,7 @@ from fsdp.api import (
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
@@ -170,6 +177,18 @@ class FullyShardedDataParallel(nn.Module):
         return self._state.config.use_orig_params
 
     @property
+    def limit_all_gathers(self) -> bool:
+        return self._state.config.limit_all_gathers
+
+    @property
+    def _use_full_prec_in_eval(self) -> bool:
+        return self._state.config.env.use_full_prec_in_eval
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._state.compute_device
+
+    @property
     def _is_root(self) -> bool | None:
         return self._state.is_root
 
@@ -184,6 +203,23 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def training_state(self) -> TrainingState:
         return self._state.training_state
+
+    @property
+    def _comm_hook(self) -> CommHook | None:
+        """The registered communication hook (None: FSDP's own reduction)."""
+        return self._state.comm_hook
+
+    @_comm_hook.setter
+    def _comm_hook(self, hook: CommHook | None) -> None:
+        self._state.comm_hook = hook
+
+    @property
+    def _comm_hook_state(self) -> object:
+        return self._state.comm_hook_state
+
+    @_comm_hook_state.setter
+    def _comm_hook_state(self, state: object) -> None:
+        self._state.comm_hook_state = state
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         for unit in states_in(self, recurse=True):
@@ -216,7 +252,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
-        with record_function("FullyShardedDataParallel.forward"):
+        with profiler_label("FullyShardedDataParallel.forward"):
             args, kwargs = state.root_pre_forward(args, kwargs)
             args, kwargs = state.pre_forward(args, kwargs)
             output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -342,6 +378,162 @@ class FullyShardedDataParallel(nn.Module):
                 previous.optim_state_dict_config,
             )
 
+    # -- optimizer state dicts (see fsdp._optim_state_dict) -------------------------------------------
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The state of ``optim`` (``model``'s optimizer; ``optim_state_dict``, if
+        given, in place of ``optim.state_dict()``) keyed by parameter names, in the
+        form the units' state-dict settings ask for: ``FULL_STATE_DICT`` gives full
+        tensors (CPU unless the optimizer config says ``offload_to_cpu=False``; only
+        rank 0 gets them under ``rank0_only``), other types give rows of each tensor
+        sharded over the unit's group. Call it on every rank of ``group``."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        config = settings.optim_state_dict_config
+        full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+        form = _osd.SaveForm(shard=not full, offload=getattr(config, "offload_to_cpu", True))
+        return _osd.optim_state_dict(
+            model,
+            optim.state_dict() if optim_state_dict is None else optim_state_dict,
+            _osd.KeySource.of(optim, None),
+            getattr(config, "rank0_only", False),
+            form,
+            group,
+        )
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Converts a dict from ``optim_state_dict`` (of any wrapping and world size,
+        in the form the units' settings ask for) into what ``optim`` (``model``'s
+        optimizer) loads; under a ``rank0_only`` full config only rank 0's dict is
+        read. ``is_named_optimizer``: ``optim`` keys its state by names
+        (``_NamedOptimizer``, TorchRec's ``KeyedOptimizer``). ``load_directly`` also
+        loads the result into ``optim``."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        result = _osd.optim_state_dict_to_load(
+            model,
+            optim_state_dict,
+            _osd.KeySource.of(optim, None),
+            getattr(settings.optim_state_dict_config, "rank0_only", False),
+            is_named_optimizer,
+            group,
+        )
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict``): the full optimizer state dict, on CPU,
+        keyed by parameter names; {} on ranks other than 0 under ``rank0_only``.
+        ``optim_input`` (deprecated) is what ``optim`` was built from."""
+        _osd.warn_legacy("full_optim_state_dict", "optim_state_dict")
+        _osd.warn_optim_input(optim_input)
+        return _osd.optim_state_dict(
+            model,
+            optim.state_dict(),
+            _osd.KeySource.of(optim, optim_input),
+            rank0_only,
+            _osd.SaveForm(shard=False, offload=True),
+            group,
+        )
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict``): the sharded optimizer state dict,
+        each tensor state of a unit's parameter a ``ShardedTensor`` of its rows."""
+        _osd.warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+        form = _osd.SaveForm(shard=True, offload=True)
+        return _osd.optim_state_dict(
+            model, optim.state_dict(), _osd.KeySource.of(optim, None), False, form, group
+        )
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): this rank's local form of a full
+        dict every rank has, for ``optim`` (or an optimizer built from
+        ``optim_input``; neither: from ``model.parameters()``). No communication."""
+        _osd.warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.optim_state_dict_to_load(
+            model, full_optim_state_dict, source, False, False, None
+        )
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): the local form of a sharded dict
+        (its rows are all-gathered over each unit's group)."""
+        _osd.warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        source = _osd.KeySource.of(optim, None)
+        return _osd.optim_state_dict_to_load(
+            model, sharded_optim_state_dict, source, False, False, None
+        )
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any | None = None,
+    ) -> dict[str, Any]:
+        """Deprecated (``optim_state_dict_to_load``): like
+        ``shard_full_optim_state_dict``, but only rank 0 of ``group`` has the full
+        dict (other ranks' argument is ignored) and sends it to the others."""
+        _osd.warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.optim_state_dict_to_load(
+            model, full_optim_state_dict or {}, source, True, False, group
+        )
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: list[dict[str, Any]] | Iterable[nn.Parameter] | None = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-keys an optimizer state dict of ``model`` (which has no flat
+        parameters) by parameter names (``PARAM_NAME``) or by the IDs of ``optim``
+        (or of an optimizer built from ``optim_input``; neither:
+        ``model.parameters()``), so that full dicts of FSDP models and plain
+        optimizer state dicts convert into each other."""
+        _osd.warn_optim_input(optim_input)
+        source = _osd.KeySource.of(optim, optim_input)
+        return _osd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, source)
+
     # -- training helpers ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -363,6 +555,46 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for state, sync in zip(states, previous):
                 state.sync_gradients = sync
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Registers ``hook`` to reduce gradients instead of FSDP, in every unit of
+        this root's tree; ``state`` is passed to each call. Sharded strategies call
+        ``hook(state, grad, output)`` with the padded unsharded gradient and an
+        empty shard to fill; ``NO_SHARD`` calls ``hook(state, grad)``, which
+        reduces ``grad`` in place (see [Note: Communication hooks] in
+        fsdp._runtime). Only on the root, before the first forward, and once;
+        not for hybrid strategies."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        units = states_in(self, recurse=True)
+        for unit in units:
+            strategy = unit.config.sharding_strategy
+            if strategy in HYBRID_SHARDING_STRATEGIES:
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: {strategy}"
+                )
+            if unit.comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        for unit in units:
+            unit.comm_hook = hook
+            unit.comm_hook_state = state
+
+    def _unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Starts this unit's all-gather ahead of its forward, which then finds the
+        parameters ready (torch's private API). With ``async_op`` returns a handle
+        whose ``wait()`` makes the current stream wait for it; otherwise waits."""
+        state = self._state
+        unshard = UnshardHandle(state.root.streams, state.unshard_ahead())
+        if async_op:
+            return unshard
+        unshard.wait()
+        return None
+
+    def _wait_unshard_streams_on_current_stream(self) -> None:
+        """The current stream waits for every all-gather issued so far."""
+        self._state.root.streams.compute_waits_for_unshard()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clips the gradients of every parameter in this root's tree by their

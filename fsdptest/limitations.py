@@ -4,10 +4,10 @@
 [Note: Torch's FSDP on a CPU-only run]
 - ``CPUOffload(offload_params=True)``: torch's FSDP builds the unit, then fails
   when first used (its lazy initialisation pins the shard's memory, which needs
-  an accelerator): ``TORCH_CPU_OFFLOAD_ERROR``. The plugin skips such
-  parametrizations under ``--fsdp-impl torch``, except in tests marked
-  ``torch_cpu_offload_asserted``, which call ``assert_cannot_offload_params``
-  where ``cannot_offload_params`` says so.
+  an accelerator). The plugin skips such parametrizations under ``--fsdp-impl
+  torch``, except in tests marked ``torch_cpu_offload_asserted``, which call
+  ``fsdptest.api.assert_torch_refuses_cpu_offload`` where
+  ``torch_refuses_cpu_offload`` says so.
 - ``FULL_STATE_DICT`` with ``offload_to_cpu=True`` (2.13):
   ``FlatParamHandle.to_cpu()`` "moves" the unsharded flat parameter to the CPU
   it is already on (the same storage), then frees that storage. With
@@ -25,14 +25,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from fsdptest.api import FSDP, IMPL, CPUOffload, FullStateDictConfig, StateDictType
+from fsdptest.api import FSDP, IMPL, FullStateDictConfig, StateDictType
 from harness import current_device
 from harness.assertions import Assertions
 
-TORCH_CPU_OFFLOAD_ERROR = "Cannot access accelerator device when none is available"
 TORCH_OFFLOAD_TO_CPU_ERROR = "out of bounds for storage of size 0"
 TORCH_SYNC_MODULE_STATES_ERROR = (
     "The module has CPU parameters or buffers when `sync_module_states=True`"
@@ -42,23 +40,6 @@ TORCH_SYNC_MODULE_STATES_ERROR = (
 def torch_on_cpu() -> bool:
     """Whether torch's FSDP is under test on CPU ranks."""
     return IMPL == "torch" and current_device().type == "cpu"
-
-
-def cannot_offload_params(cpu_offload: CPUOffload | None) -> bool:
-    return torch_on_cpu() and cpu_offload is not None and cpu_offload.offload_params
-
-
-def assert_cannot_offload_params(case: Assertions) -> None:
-    """Torch's unit offloading its parameters fails when first used."""
-    import torch.distributed.fsdp as torch_fsdp  # the facade's class skips such units
-
-    model = torch_fsdp.FullyShardedDataParallel(
-        nn.Linear(2, 2),
-        cpu_offload=CPUOffload(offload_params=True),
-        device_id=torch.device("cpu"),
-    )
-    with case.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
-        model(torch.ones(1, 2))
 
 
 def assert_cannot_offload_full_state_dict(case: Assertions, rank: int) -> None:

@@ -65,15 +65,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdptest import api
 from fsdptest.api import (
     FSDP,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
-    ShardedGradScaler,
     ShardingStrategy,
     clean_tensor_name,
+    provides,
 )
 from fsdptest.interface import (
     DeviceInitMode,
@@ -219,6 +220,16 @@ class ParityConfig:
         return EXACT if world_size <= 2 else REORDERED_FP32
 
 
+def _grad_scaler(options: TrainOptions) -> torch.amp.GradScaler:
+    """The implementation's ``ShardedGradScaler``; a disabled ``torch.amp.GradScaler``
+    when the implementation has none and the options ask for none."""
+    kwargs = {"device": current_device().type, **options.sharded_grad_scaler_kwargs}
+    if provides("ShardedGradScaler") or options.enable_sharded_grad_scaler:
+        # without one, the attribute's error names the implementation and the name
+        return api.ShardedGradScaler(enabled=options.enable_sharded_grad_scaler, **kwargs)
+    return torch.amp.GradScaler(enabled=False, **kwargs)
+
+
 class Trainer:
     """One model in training: its optimizer, its grad scaler, and the checks of a step.
 
@@ -230,7 +241,7 @@ class Trainer:
     model: nn.Module
     options: TrainOptions
     optim: torch.optim.SGD
-    scaler: ShardedGradScaler
+    scaler: torch.amp.GradScaler
     steps_taken: int
     _loss_device: torch.device
     _is_fsdp: bool
@@ -242,8 +253,7 @@ class Trainer:
         # SGD with momentum rather than Adam: Adam is invariant to the gradients'
         # scale, so it would hide a wrong gradient division.
         self.optim = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=MOMENTUM)
-        scaler_kwargs = {"device": current_device().type, **options.sharded_grad_scaler_kwargs}
-        self.scaler = ShardedGradScaler(enabled=options.enable_sharded_grad_scaler, **scaler_kwargs)
+        self.scaler = _grad_scaler(options)
         self.steps_taken = 0
         # Inputs are always on the test's device; the loss goes where the
         # parameters are (the CPU when offloaded).

@@ -1,12 +1,17 @@
 """The FSDP test layer's pytest plugin: which FSDP implementation is under test.
 
 It sits on top of the generic runner (``harness.plugin``) and talks to it only
-through the runner's hooks: it adds ``--fsdp-impl``, exports the choice to the
+through the runner's hooks: it adds ``--fsdp-impl`` (a built-in name, a registered
+entry point or a module path; see ``fsdptest.implementations``), resolves it once
+(an unknown name is a usage error listing the known ones), exports it to the
 ranks (``FSDP_HARNESS_IMPL``, read by ``fsdptest.api`` when first imported; the
 ranks inherit the environment), asks the ranks to restore the FSDP packages
 after every test, and skips, before any rank starts, configurations torch's
 FSDP cannot run on CPU-only machines (except in tests marked
-``torch_cpu_offload_asserted``, which assert that failure themselves).
+``torch_cpu_offload_asserted``, which assert that failure themselves:
+``fsdptest.api.assert_torch_refuses_cpu_offload``). For the property search
+(``fsdptest.properties``) it registers and loads the hypothesis profiles and
+gives the ``property_search`` and ``replayed_example`` fixtures.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 from fsdptest._constants import (
     CPU_OFFLOAD_ASSERTED_HELP,
@@ -21,36 +27,87 @@ from fsdptest._constants import (
     IMPL_ENV,
     TORCH_CPU_OFFLOAD_SKIP,
 )
+from fsdptest.implementations import (
+    ENTRY_POINT_GROUP,
+    Implementation,
+    UnknownImplementation,
+    resolve,
+)
+from fsdptest.properties.examples import Example
+from fsdptest.properties.search import PropertySearch, chosen_profile, register_profiles
 from harness._types import Placement
+from harness.rank_calls import RankCalls
 
-IMPLEMENTATIONS = ("local", "torch")
+impl_key = pytest.StashKey[Implementation]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp", "FSDP implementation under test (fsdptest)")
     group.addoption(
         "--fsdp-impl",
-        choices=IMPLEMENTATIONS,
         default="local",
-        help="FSDP under test: this project's fsdp package (local) or "
-        "torch.distributed.fsdp (torch). Default: local.",
+        metavar="NAME",
+        help="FSDP under test: this project's fsdp package (local), torch.distributed.fsdp "
+        f"(torch), a name registered in the entry-point group {ENTRY_POINT_GROUP}, or the "
+        "path of a module exposing the FSDP1 API (mypkg.fsdp). Default: local.",
+    )
+    group.addoption(
+        "--replay-example",
+        default=None,
+        metavar="ID",
+        help="run test_replay_example of a property suite with the example of this "
+        "replay id (a property failure prints the command), without hypothesis.",
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before the runner's, which asks for the isolated modules
 def pytest_configure(config: pytest.Config) -> None:
-    os.environ[IMPL_ENV] = config.getoption("fsdp_impl")
+    """Resolves the implementation, then loads the hypothesis profile; it runs
+    before hypothesis's own ``pytest_configure``, which applies its
+    ``--hypothesis-*`` options on top of the profile loaded here."""
+    name = config.getoption("fsdp_impl")
+    try:
+        config.stash[impl_key] = resolve(name)
+    except UnknownImplementation as error:
+        raise pytest.UsageError(str(error)) from None
+    os.environ[IMPL_ENV] = name
     config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
+    register_profiles()
+    settings.load_profile(chosen_profile(config.getoption("hypothesis_profile", None)))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    impl = config.stash[impl_key]
+    return f"fsdp implementation: {impl.describe()} ({impl.origin})"
+
+
+@pytest.fixture(scope="module")
+def property_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> PropertySearch:
+    """Runs property examples on pooled ranks (see fsdptest.properties.search);
+    failures name ``test_replay_example`` of the requesting module for replay."""
+    replay_test = f"{request.node.nodeid}::test_replay_example"
+    return PropertySearch(rank_calls, request.config.getoption("fsdp_impl"), replay_test)
+
+
+@pytest.fixture
+def replayed_example(request: pytest.FixtureRequest) -> Example:
+    """The example of ``--replay-example``; skips without one."""
+    replay_id = request.config.getoption("replay_example")
+    if replay_id is None:
+        pytest.skip("no example to replay: pass --replay-example ID (a property failure prints it)")
+    return Example.from_replay_id(replay_id)
 
 
 def pytest_harness_isolated_modules(config: pytest.Config) -> list[str]:
-    return ["fsdp", "fsdptest"]
+    impl = config.stash[impl_key]
+    return ["fsdp", "fsdptest", *([] if impl.is_builtin else [impl.module])]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_harness_skip_reason(item: pytest.Item, placement: Placement) -> str | None:
     """Torch's FSDP cannot offload parameters on a CPU-only run: such cases are
     skipped here, before any rank starts, when the parametrization says so."""
-    if item.config.getoption("fsdp_impl") != "torch" or placement.device_type != "cpu":
+    if item.config.stash[impl_key].kind != "torch" or placement.device_type != "cpu":
         return None
     if item.get_closest_marker(CPU_OFFLOAD_ASSERTED_MARKER) is not None:
         return None

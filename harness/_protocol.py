@@ -67,6 +67,7 @@ class RunTest:
     rewrite_asserts: bool
     subtest_filter: tuple[tuple[str, str], ...]
     resume_after: int
+    map_cuda_to_cpu: bool = False  # see harness._rank.cuda_mapping
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,14 @@ class TestFinished:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Probe:
+    """After a test that did not pass cleanly: is the default group still in step?"""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    rank: int
+    ok: bool

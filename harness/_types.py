@@ -21,6 +21,7 @@ class PoolSettings:
 class PoolKey(NamedTuple):
     world_size: int
     device_type: str
+    check_collectives: bool = False  # see [Note: Checking collectives] in harness.plugin
 
 
 class Placement(NamedTuple):
@@ -52,7 +53,28 @@ class SubtestRecord:
     notes: list[str] = field(default_factory=list)
 
     def any_failed(self) -> bool:
-        return bool(self.notes) or any(f.status.is_failed() for f in self.finished.values())
+        failed = any(f.status.is_failed() for f in self.finished.values())
+        return bool(self.notes) or failed or bool(self.inconsistent_skip())
+
+    def all_skipped(self) -> bool:
+        return bool(self.finished) and all(
+            f.status is Status.SKIPPED for f in self.finished.values()
+        )
+
+    def inconsistent_skip(self) -> str:
+        """A description when some ranks skipped this subtest and others ran it."""
+        skipped = sorted(r for r, f in self.finished.items() if f.status is Status.SKIPPED)
+        ran = sorted(r for r, f in self.finished.items() if f.status is not Status.SKIPPED)
+        if not skipped or not ran:
+            return ""
+        reason = self.finished[skipped[0]].text
+        return (
+            f"inconsistent skip: skipped on {_ranks(skipped)} ({reason}) but run on {_ranks(ran)}"
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(f"rank {r}" for r in ranks)
 
 
 @dataclass

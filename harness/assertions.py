@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from harness.expect import assert_expected_inline
+
 _CASE = unittest.TestCase()
 _CASE.maxDiff = None
 
@@ -197,6 +199,11 @@ class Assertions:
         **kwargs: Any,
     ) -> AbstractContextManager[Any]:
         return _CASE.assertWarnsRegex(expected_warning, expected_regex, *args, **kwargs)
+
+    def assertExpectedInline(self, actual: str, expect: str, skip: int = 0) -> None:
+        """expecttest's: ``expect`` is the caller's string literal, rewritten under
+        ``EXPECTTEST_ACCEPT=1`` (by rank 0; see ``harness.expect``)."""
+        assert_expected_inline(actual, expect, skip=skip + 1)
 
     def fail(self, msg: str | None = None) -> None:
         _CASE.fail(msg)

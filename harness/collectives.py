@@ -104,6 +104,14 @@ class CollectiveCall:
     input_numel: int
     output_numel: int
     group_size: int
+    group_ranks: tuple[int, ...]
+    """The global ranks of the group, in group-rank order."""
+
+    @property
+    def group_stride(self) -> int:
+        """The distance between consecutive global ranks of the group (1 for the world
+        or an intra-node group, the node size for a replica group); 0 for one rank."""
+        return self.group_ranks[1] - self.group_ranks[0] if len(self.group_ranks) > 1 else 0
 
 
 def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch.Tensor] | None:
@@ -124,11 +132,11 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch
     return out_numel, inp
 
 
-def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _group(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.ProcessGroup:
     group = kwargs.get("group")
     if group is None:
         group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-    return dist.get_world_size(group)
+    return group if group is not None else dist.group.WORLD
 
 
 class CollectiveRecorder:
@@ -150,9 +158,9 @@ class CollectiveRecorder:
             operands = _operands(args, kwargs)
             if operands is not None:
                 out_numel, inp = operands
-                call = CollectiveCall(
-                    kind, inp.dtype, inp.numel(), out_numel, _group_size(args, kwargs)
-                )
+                group = _group(args, kwargs)
+                ranks = tuple(dist.get_process_group_ranks(group))
+                call = CollectiveCall(kind, inp.dtype, inp.numel(), out_numel, len(ranks), ranks)
                 self.calls.append(call)
             return orig(*args, **kwargs)
 

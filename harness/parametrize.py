@@ -8,24 +8,19 @@ so ``-k`` and node ids read like the configuration.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
-import torch
+
+from harness.subtests import render_value
 
 
 def value_id(value: object) -> str:
+    """A pytest id part: ``none``, a string as is, anything else as ``render_value``."""
     if value is None:
         return "none"
-    if isinstance(value, enum.Enum):
-        return value.name
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, type):
-        return value.__name__
-    return str(value)
+    return value if isinstance(value, str) else render_value(value)
 
 
 def subtest_name(test_name_mapping: Mapping[str, str], *args: object) -> str:

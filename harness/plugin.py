@@ -19,6 +19,7 @@ from harness._controller.dispatch import PoolManager, TestRequest, run
 from harness._controller.report import PoolLeakWarning
 from harness._protocol import RunTest, Status, SubtestCounts
 from harness._types import Placement, PoolKey, PoolSettings
+from harness.rank_calls import CallSettings, RankCalls
 from harness.subtests import parse_filter
 from harness.testcase import DistributedTest, declared_world_size
 
@@ -29,6 +30,8 @@ plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey[PoolManager]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
+_deferred_timer_key = pytest.StashKey[object]()
+_STARTING = object()  # the deferred timer is being handed to pytest-timeout
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -42,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "every distributed test (the test's own module always is)",
         type="linelist",
         default=[],
+    )
+    parser.addini(
+        "map_cuda_to_cpu",
+        "as --map-cuda-to-cpu, for every distributed test of the session",
+        type="bool",
+        default=False,
     )
     group = parser.getgroup("distributed", "distributed tests (harness)")
     group.addoption(
@@ -85,6 +94,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "outcome before they are stopped (with their stacks). Default: 2.",
     )
     group.addoption(
+        "--check-collectives",
+        action="store_true",
+        default=False,
+        help="run distributed tests in pools started with TORCH_DISTRIBUTED_DEBUG=DETAIL: "
+        "torch compares each collective (op, shapes, dtypes) across ranks before running "
+        "it, so a mismatch fails at once, naming every rank's call, instead of hanging "
+        "until the deadline. Slower per collective; the check_collectives marker does "
+        "this for one test.",
+    )
+    group.addoption(
+        "--map-cuda-to-cpu",
+        action="store_true",
+        default=False,
+        help="on CPU ranks, resolve the CUDA devices tests name (tensor.cuda(), "
+        "module.cuda(), device='cuda', .to('cuda')) to the rank's device, for tests "
+        "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
+    )
+    group.addoption(
         "--fresh-pool",
         action="store_true",
         default=False,
@@ -95,9 +122,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "fresh_pool: run this distributed test in a fresh pool of ranks of its own",
+        "check_collectives: check every collective across ranks (see --check-collectives)",
         "dist_timeout(seconds): per-test deadline for a distributed test",
         "requires_gpu(reason): skip unless the ranks run on CUDA",
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
+        "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
     ):
         config.addinivalue_line("markers", line)
     config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
@@ -132,6 +161,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(manager_key, None)
     if manager is not None:
         manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
+    """Runs methods of ``DistributedTest`` subclasses on pooled ranks from a test
+    that stays in the pytest process (see [Note: Tests that drive the ranks])."""
+    config = pytestconfig
+    settings = CallSettings(
+        manager=config.stash[manager_key],
+        timeout_s=float(config.getoption("dist_timeout")),
+        grace_s=float(config.getoption("fail_grace")),
+        rewrite_asserts=config.getoption("assertmode") == "rewrite",
+        seed=_SEED,
+    )
+
+    def seen() -> None:
+        config.stash[distributed_seen_key] = True
+
+    return RankCalls(settings, config.stash[plan_key].placement, seen)
 
 
 def is_distributed(item: pytest.Item) -> bool:
@@ -204,7 +252,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not is_distributed(pyfuncitem):
         return None
     request = _request(pyfuncitem)
-    verdict = run(pyfuncitem.config.stash[manager_key], request)
+    verdict = run(
+        pyfuncitem.config.stash[manager_key], request, lambda: _start_deferred_timer(pyfuncitem)
+    )
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
     for text in verdict.warnings:
@@ -216,6 +266,24 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.status is Status.SKIPPED:
         raise pytest.skip.Exception(verdict.text, _use_item_location=True)
     return True
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's timer of a distributed test starts once its pool is ready
+    (see [Note: What a test's deadline counts]); other tests are left to it."""
+    if not is_distributed(item) or item.stash.get(_deferred_timer_key, None) is _STARTING:
+        return None
+    item.stash[_deferred_timer_key] = settings
+    return True
+
+
+def _start_deferred_timer(item: pytest.Item) -> None:
+    settings = item.stash.get(_deferred_timer_key, None)
+    if settings is None or settings is _STARTING:
+        return
+    item.stash[_deferred_timer_key] = _STARTING
+    item.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 def _request(item: pytest.Function) -> TestRequest:
@@ -235,9 +303,10 @@ def _request(item: pytest.Function) -> TestRequest:
         rewrite_asserts=config.getoption("assertmode") == "rewrite",
         subtest_filter=parse_filter(config.getoption("subtest")),
         resume_after=-1,
+        map_cuda_to_cpu=maps_cuda_to_cpu(item),
     )
     return TestRequest(
-        key=PoolKey(world_size, placement.device_type),
+        key=PoolKey(world_size, placement.device_type, _checks_collectives(item)),
         placement=placement,
         message=message,
         fresh_pool=config.getoption("fresh_pool")
@@ -245,6 +314,29 @@ def _request(item: pytest.Function) -> TestRequest:
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
         wall_limit_s=_wall_limit_s(item),
+    )
+
+
+def _checks_collectives(item: pytest.Item) -> bool:
+    """[Note: Checking collectives]
+    With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps every process group in a
+    checker that, before each collective, compares its op, shapes and dtypes
+    across ranks over a side group and raises on every rank at the first
+    mismatch. The variable must be set before the process group exists, so such
+    tests run in pools of their own (the pool key says so)."""
+    return bool(item.config.getoption("check_collectives")) or (
+        item.get_closest_marker("check_collectives") is not None
+    )
+
+
+def maps_cuda_to_cpu(item: pytest.Item) -> bool:
+    """Whether the ranks resolve CUDA devices to a CPU rank's device (see
+    ``harness._rank.cuda_mapping``): the option, the ini value or the marker."""
+    config = item.config
+    return (
+        bool(config.getoption("map_cuda_to_cpu"))
+        or bool(config.getini("map_cuda_to_cpu"))
+        or item.get_closest_marker("map_cuda_to_cpu") is not None
     )
 
 

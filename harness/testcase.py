@@ -30,6 +30,16 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def current_device_type() -> str:
+    """The type of ``current_device()``, without initialising CUDA: outside a rank,
+    ``"cuda"`` when CUDA is available, else ``"cpu"`` (module-level code of a test
+    file also runs in the pytest process, which never initialises CUDA)."""
+    context = rank_context.current_or_none()
+    if context is not None:
+        return context.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class DistributedTest(Assertions):
     """A pytest test class whose test methods run on every rank."""
 

@@ -22,11 +22,22 @@ from models.nested import (
 )
 from models.resnet import resnet50
 from models.sequential import NestedSequentialModel
+from models.small import (
+    MLP,
+    DeterministicModel,
+    DoubleLinear,
+    MLPStack,
+    NestedLinear,
+    SkipModel,
+    SkipModule,
+)
 from models.transformer import TransformerWithSharedParams
 
 __all__ = [
     "AlwaysWrapNestedWrappedModule",
     "BatchNormNet",
+    "DeterministicModel",
+    "DoubleLinear",
     "DummyDDP",
     "DummyProcessGroup",
     "LayerFactory",
@@ -34,14 +45,19 @@ __all__ = [
     "LoraDecoder",
     "LoraMLP",
     "LoraModel",
+    "MLP",
+    "MLPStack",
     "MixtureOfExperts",
     "ModuleWithDelay",
+    "NestedLinear",
     "NestedSequentialModel",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
     "NonUniformReqGradNWM",
     "SaveForwardInputsModel",
     "SaveForwardInputsModule",
+    "SkipModel",
+    "SkipModule",
     "TransformerWithSharedParams",
     "resnet50",
     "sleep_ms",

@@ -13,7 +13,7 @@ forward time, so the tests observe it by patching that name.
 
 Torch's FSDP cannot offload parameters on a CPU-only run: those configurations
 assert its failure (see [Note: Torch's FSDP on a CPU-only run] in
-fsdptest.limitations) and stop there.
+fsdptest.limitations, and ``assert_torch_refuses_cpu_offload``) and stop there.
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, CPUOffload, ShardingStrategy
-from fsdptest.limitations import assert_cannot_offload_params, cannot_offload_params
+from fsdptest.api import (
+    FSDP,
+    CPUOffload,
+    ShardingStrategy,
+    assert_torch_refuses_cpu_offload,
+    torch_refuses_cpu_offload,
+)
 from harness import parametrize
 
 pytestmark = pytest.mark.torch_cpu_offload_asserted
@@ -129,8 +134,8 @@ class TestFSDPCheckpoint(FSDPTest):
         """Checkpointing around three FSDP roots, and FSDP around checkpointed
         layers, give the outputs and gradients of the plain FSDP model."""
         global _save_on_cpu_called
-        if cannot_offload_params(cpu_offload):
-            assert_cannot_offload_params(self)
+        if torch_refuses_cpu_offload(cpu_offload):
+            assert_torch_refuses_cpu_offload(self, nn.Linear(2, 2), 2)
             return
         fsdp_kwargs = {"cpu_offload": cpu_offload, "use_orig_params": use_orig_params}
         wrapper = offload_wrapper if offload_activations else checkpoint_wrapper
@@ -179,8 +184,8 @@ class TestFSDPCheckpoint(FSDPTest):
         ``checkpoint`` call) or checkpointing inside trains like the plain unit
         over six iterations."""
         global _save_on_cpu_called
-        if cannot_offload_params(cpu_offload):
-            assert_cannot_offload_params(self)
+        if torch_refuses_cpu_offload(cpu_offload):
+            assert_torch_refuses_cpu_offload(self, nn.Linear(2, 2), 2)
             return
         fsdp_kwargs = {"cpu_offload": cpu_offload, "use_orig_params": use_orig_params}
         with patch_save_on_cpu(get_patched_save_on_cpu()):

@@ -61,15 +61,15 @@ from fsdptest.api import (
     ModuleWrapPolicy,
     ShardedStateDictConfig,
     StateDictType,
+    assert_torch_refuses_cpu_offload,
     enable_wrap,
+    torch_refuses_cpu_offload,
     wrap,
 )
 from fsdptest.interface import DeviceInitMode, FSDPInitMode
 from fsdptest.limitations import (
     assert_cannot_offload_full_state_dict,
-    assert_cannot_offload_params,
     assert_cannot_sync_module_states,
-    cannot_offload_params,
     torch_on_cpu,
 )
 from harness import current_device, parametrize
@@ -279,9 +279,9 @@ class TestFSDPStateDict(FSDPTest):
 
     def _torch_cannot_offload_params(self, cpu_offload: CPUOffload) -> bool:
         """Asserts torch's failure where it applies; returns whether it did."""
-        if not cannot_offload_params(cpu_offload):
+        if not torch_refuses_cpu_offload(cpu_offload):
             return False
-        assert_cannot_offload_params(self)
+        assert_torch_refuses_cpu_offload(self, nn.Linear(2, 2), 2)
         return True
 
     def _state_compare(

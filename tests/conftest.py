@@ -33,6 +33,10 @@ class Run:
         end = re.search(r"^(_{5,} \S+ _{5,}|={8,} .* ={8,}|rank pools: .*)$", rest, re.M)
         return (rest[: end.start()] if end else rest).strip("\n")
 
+    def report(self, test: str) -> str:
+        """``section(test)`` normalised for a golden text (see ``normalise``)."""
+        return normalise(self.section(test), self.path)
+
     def pids(self) -> dict[str, list[int]]:
         """PIDs the inner tests recorded, by test name."""
         seen: dict[str, list[int]] = {}
@@ -79,3 +83,40 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+_FRAME = re.compile(r'^(?P<indent>\s*)File "(?P<path>[^"]+)", line \d+,? in \S+$')
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def normalise(report: str, tmp: Path) -> str:
+    """A report with what changes between runs and machines replaced: thread and object
+    addresses (``0xADDR``), pids, durations with decimals, local ports, the inner
+    session's directory (``<tmp>``), the device and
+    backend, and each run of frames outside the test file (torch's, the harness's, the
+    standard library's: their lines and number differ between versions) collapsed
+    into one ``(frames elsewhere)`` line. Caret lines of tracebacks are dropped."""
+    text = report.replace(str(tmp), "<tmp>")
+    text = re.sub(r"0x[0-9a-fA-F]{6,}", "0xADDR", text)
+    text = re.sub(r"\bpid[ =]\d+", "pid PID", text)
+    text = re.sub(r"\b\d+\.\d+ s\b", "SECONDS s", text)
+    text = re.sub(r"(127\.0\.0\.1|localhost)(\]?):\d+", r"\1\2:PORT", text)
+    text = re.sub(r"device=\w+, backend=\w+", "device=<device>, backend=<backend>", text)
+    out: list[str] = []
+    hidden = False  # in a run of frames outside the test file
+    hidden_indent = ""
+    for line in text.splitlines():
+        frame = _FRAME.match(line)
+        if frame and not frame["path"].startswith("<tmp>"):
+            hidden, hidden_indent = True, frame["indent"]
+            continue
+        if hidden and line.startswith(hidden_indent + "  "):
+            continue  # the source line of a hidden frame
+        if hidden:
+            out.append(f"{hidden_indent}(frames elsewhere)")
+            hidden = False
+        if not _CARETS.match(line):
+            out.append(line)
+    if hidden:
+        out.append(f"{hidden_indent}(frames elsewhere)")
+    return "\n".join(out) + "\n"

@@ -49,17 +49,8 @@ _FSDP2 = (
     "FSDP2 (`fully_shard`) API, which shards each parameter as a DTensor over a DeviceMesh; "
     "this package mirrors FSDP1"
 )
-_LEGACY_OPTIM = (
-    "deprecated in torch (FutureWarning: 'may be removed after PyTorch 2.2'); "
-    "replaced by optim_state_dict / optim_state_dict_to_load"
-)
 
 EXCEPTIONS: dict[str, str] = {
-    "FullyShardedDataParallel.full_optim_state_dict": _LEGACY_OPTIM,
-    "FullyShardedDataParallel.sharded_optim_state_dict": _LEGACY_OPTIM,
-    "FullyShardedDataParallel.shard_full_optim_state_dict": _LEGACY_OPTIM,
-    "FullyShardedDataParallel.flatten_sharded_optim_state_dict": _LEGACY_OPTIM,
-    "FullyShardedDataParallel.scatter_full_optim_state_dict": _LEGACY_OPTIM,
     "__all__.CPUOffloadPolicy": _FSDP2,
     "__all__.DataParallelMeshDims": _FSDP2,
     "__all__.FSDPModule": _FSDP2,

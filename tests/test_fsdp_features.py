@@ -1,28 +1,47 @@
 """Our FSDP (and torch's, with --fsdp-impl torch) against DDP on a small model:
 every strategy x original parameters x offload x prefetch, state-dict round
-trips of every type, summon_full_params(with_grads) and hybrid sharding."""
+trips of every type, summon_full_params(with_grads) and hybrid sharding;
+optimizer state dicts beyond the upstream suite (DTensor values, a sharded dict
+into another wrapping) and the object collectives of ``fsdp._comm``."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fsdp import _comm
 from fsdptest import FSDPTest
 from fsdptest.api import (
     FSDP,
+    IMPL,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ModuleWrapPolicy,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
     ShardingStrategy,
     StateDictType,
 )
 from harness import current_device
+
+
+def _needs_numpy_under_torch(test: Callable[..., None]) -> Callable[..., None]:
+    """Torch's FSDP sends optimizer state-dict keys with object collectives, which
+    unpickle through numpy (see suites/test_fsdp_optim_state.py); ours need none."""
+    if IMPL != "torch":
+        return test
+    reason = "torch's FSDP sends optimizer state-dict keys with object collectives"
+    return pytest.mark.requires_module("numpy", reason=reason)(test)
 
 
 def _model() -> nn.Module:
@@ -174,3 +193,68 @@ class TestCompile(FSDPTest):
                 optim.step()
                 losses.append(loss)
             self.assertEqual(losses[0], losses[1])
+
+
+def _trained(model: nn.Module) -> torch.optim.Optimizer:
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(2):
+        model(torch.randn(4, 5, device=current_device())).sum().backward()
+        optim.step()
+    return optim
+
+
+def _sharded_settings(use_dtensor: bool) -> tuple[object, ...]:
+    optim_config = ShardedOptimStateDictConfig(_use_dtensor=use_dtensor)
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), optim_config
+
+
+class TestOptimStateDict(FSDPTest):
+    @_needs_numpy_under_torch
+    @pytest.mark.parametrize("use_orig_params", [False, True])
+    def test_sharded_dtensor_values_round_trip(self, use_orig_params):
+        """``_use_dtensor``: each tensor state of a unit's parameter is a DTensor of
+        its rows (Shard(0) over the unit's mesh), and loads back into the local state.
+        Torch's FSDP needs a device mesh for DTensor values."""
+        mesh = init_device_mesh(current_device().type, (self.world_size,))
+        model = FSDP(_model(), device_mesh=mesh, use_orig_params=use_orig_params)
+        optim = _trained(model)
+        FSDP.set_state_dict_type(model, *_sharded_settings(use_dtensor=True))
+        osd = FSDP.optim_state_dict(model, optim)
+        for state in osd["state"].values():
+            self.assertIsInstance(state["exp_avg"], DTensor)
+            self.assertEqual(state["exp_avg"].placements, (Shard(0),))
+            self.assertEqual(state["exp_avg"].shape, state["exp_avg"].full_tensor().shape)
+        self.assertEqual(FSDP.optim_state_dict_to_load(model, optim, osd), optim.state_dict())
+
+    @_needs_numpy_under_torch
+    def test_sharded_dict_loads_into_another_wrapping(self):
+        """A sharded dict of a model whose units differ from the loading model's:
+        states of parameters outside the loading model's units are gathered too, so
+        the result is the loading model's own local state (trained the same way)."""
+        source = _model()
+        source[0] = FSDP(source[0])
+        osd = FSDP.sharded_optim_state_dict(source, _trained(source))
+        target = _model()
+        target[2] = FSDP(target[2])
+        target_optim = _trained(target)
+        loaded = FSDP.flatten_sharded_optim_state_dict(osd, target, target_optim)
+        if IMPL == "torch":
+            # Torch's FSDP copies the states of parameters outside every unit as they
+            # are: the first layer's stay ShardedTensors, which no optimizer loads.
+            self.assertIsInstance(loaded["state"][0]["exp_avg"], ShardedTensor)
+            return
+        self.assertEqual(loaded, target_optim.state_dict())
+        target_optim.load_state_dict(loaded)
+
+
+class TestObjectCollectives(FSDPTest):
+    def test_objects_reach_every_rank(self):
+        """``fsdp._comm``'s object collectives (pickled bytes in tensors, no numpy)."""
+        group, device = self.process_group, current_device()
+        mine = {"rank": self.rank, "payload": list(range(self.rank * 100))}
+        gathered = _comm.all_gather_object(mine, group, device)
+        expected = [{"rank": r, "payload": list(range(r * 100))} for r in range(self.world_size)]
+        self.assertEqual(gathered, expected)
+        received = _comm.broadcast_object(mine if self.rank == 0 else None, 0, group, device)
+        self.assertEqual(received, expected[0])

@@ -72,7 +72,7 @@ def _samples(run) -> list[tuple[int, int, int, int, int]]:
 def test_threads_and_descriptors_stay_bounded_over_many_tests(inner):
     """Each test creates three subgroups, an FSDP model over each, and a hybrid-sharded
     model; one pool runs them all and returns to its baseline after every test."""
-    run = inner(CHURN, "-W", "error::harness._report.PoolLeakWarning")
+    run = inner(CHURN, "-W", "error::harness.PoolLeakWarning")
     run.result.assert_outcomes(passed=TESTS)
     samples = _samples(run)
     for rank_pid in {pid for _, pid, *_ in samples}:
@@ -116,3 +116,58 @@ def test_a_group_kept_alive_replaces_the_pool_with_a_warning(inner):
     assert "rank 0, rank 1: after the test, 1 process group(s) it created" in warning.group(1)
     assert "the first held by module.kept_group" in warning.group(1)
     assert "the pool of ranks was replaced" in warning.group(1)
+
+
+SOLO = textwrap.dedent(
+    """
+    import os
+    import pytest, torch
+    import torch.distributed as dist
+    from torch import nn
+    from harness import DistributedTest
+    from fsdptest.api import FSDP
+
+    TESTS = @TESTS@
+
+    def device_used(device):
+        # Device-wide use, so NCCL's own buffers (outside torch's allocator) count.
+        if device.type != "cuda":
+            return 0
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+
+    def record(i, device):
+        threads = len(os.listdir("/proc/self/task"))
+        fds = len(os.listdir("/proc/self/fd"))
+        with open(os.environ["PIDS_FILE"], "a") as f:
+            f.write(f"{i} {os.getpid()} {threads} {fds} {device_used(device)}\\n")
+
+    class TestSoloChurn(DistributedTest):
+        world_size = 1
+
+        @pytest.mark.parametrize("i", range(TESTS))
+        def test_groups_and_models(self, i):
+            record(i, self.device)
+            for _ in range(3):
+                group = dist.new_group([0])
+                net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)).to(self.device)
+                model = FSDP(net, process_group=group, use_orig_params=i % 2 == 0)
+                model(torch.randn(4, 64, device=self.device)).sum().backward()
+                dist.all_reduce(torch.ones(1, device=self.device), group=group)
+    """
+).replace("@TESTS@", str(TESTS // 2))
+
+
+def test_a_one_rank_pool_returns_to_baseline(inner):
+    """World size 1, so that one GPU runs it on NCCL (``HARNESS_TEST_INNER_DEVICE=auto``):
+    every test creates three groups, each with its communicator and an FSDP model;
+    threads, descriptors and device memory in use (NCCL's buffers included) stay
+    at the level after the first test."""
+    run = inner(SOLO, "-W", "error::harness.PoolLeakWarning")
+    run.result.assert_outcomes(passed=TESTS // 2)
+    samples = _samples(run)
+    assert len({pid for _, pid, *_ in samples}) == 1, "every test ran on the same pool"
+    _, _, threads, fds, used = samples[1]
+    assert max(s[2] for s in samples) <= threads + 2, samples
+    assert max(s[3] for s in samples) <= fds + 4, samples
+    assert max(s[4] for s in samples) <= used + 64 * 2**20, samples

@@ -1,6 +1,7 @@
 """The import graph points one way: fsdp (the implementation) and harness (the generic
 runner) at the bottom, the FSDP test layer above the runner, models above the
-layer, suites on top; the rank side of the runner never imports its controller side.
+layer, the upstream compatibility package above the models, suites on top; the rank
+side of the runner never imports its controller side.
 
 Imports are read with ``ast`` (function-level ones included, ``TYPE_CHECKING``
 blocks excluded), so a cycle hidden behind a function-level import still fails.
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("harness", "fsdp", "fsdptest", "models", "suites")
+PACKAGES = ("harness", "fsdp", "fsdptest", "models", "upstream", "suites")
 
 # (importer prefix, forbidden prefix, why)
 FORBIDDEN: tuple[tuple[str, str, str], ...] = (
@@ -32,14 +33,19 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("fsdptest", "models", "models build on the test layer, not the other way round"),
     ("fsdptest", "suites", "suites are on top"),
     ("models", "suites", "suites are on top"),
+    ("harness", "upstream", "the runner knows nothing of upstream's test utilities"),
+    ("fsdp", "upstream", "our FSDP is a library"),
+    ("fsdptest", "upstream", "the upstream compatibility package builds on the test layer"),
+    ("models", "upstream", "the upstream compatibility package re-exports the models"),
+    ("upstream", "suites", "suites are on top"),
     ("harness._rank", "harness._controller", "the rank side never needs the controller side"),
 )
 
 # Function-level imports of project modules, and why each is not at the top.
 LATE_IMPORTS: dict[tuple[str, str], str] = {
-    ("harness._rank.worker", "harness._rank.runner"): (
-        "the runner imports torch, which must start after the worker set the environment"
-    ),
+    ("fsdptest", "fsdptest.testcase"): "pytest imports the package with its plugin, before "
+    "--fsdp-impl is known; FSDPTest imports the facade, which resolves the implementation "
+    "when first imported",
 }
 
 

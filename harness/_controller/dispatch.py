@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from harness._controller.pool import PoolStartError, RankPool
@@ -79,18 +80,23 @@ class PoolManager:
             self.discard(key)
 
 
-def run(manager: PoolManager, request: TestRequest) -> Verdict:
+def run(
+    manager: PoolManager, request: TestRequest, on_ready: Callable[[], None] = lambda: None
+) -> Verdict:
     """Runs the test, resuming after a subtest whose failure broke the pool.
+    ``on_ready`` is called once, when the test's first pool is ready.
 
     [Note: What a test's deadline counts]
-    ``timeout_s`` counts the time the ranks spend on the test, not the time a
-    pool takes to start (the pool's own start timeout bounds that). On CUDA a
-    fresh pool spends seconds spawning processes and initialising CUDA and NCCL;
-    counted against a short ``dist_timeout``, that start left the ranks a
-    fraction of a second, and a hang was reported with stacks from the rank's
-    setup. pytest-timeout's limit runs from the start of the call whatever
-    happens in it, so ``wall_limit_s`` stays a wall-clock bound."""
-    wall_end = None if request.wall_limit_s is None else time.monotonic() + request.wall_limit_s
+    Neither ``timeout_s`` nor pytest-timeout's limit counts the time a pool
+    takes to start (the pool's own start timeout bounds that, and says so when
+    it expires). On CUDA a fresh pool spends seconds spawning processes and
+    initialising CUDA and NCCL, and on a loaded machine a CPU pool can take
+    longer than a short test limit: counted against it, the test failed with
+    pytest-timeout's message from inside the pool start instead of its ranks'
+    stacks. So the plugin starts pytest-timeout's timer from ``on_ready``, and
+    ``wall_limit_s`` (just below that limit) runs from there too; ``timeout_s``
+    counts the ranks' time on the test only."""
+    wall_end: float | None = None
     budget = request.timeout_s
     attempts: list[Attempt] = []
     message = request.message
@@ -101,6 +107,10 @@ def run(manager: PoolManager, request: TestRequest) -> Verdict:
         except PoolStartError as exc:
             return _start_failed(attempts, request, exc)
         started = time.monotonic()
+        if not attempts:
+            on_ready()
+            if request.wall_limit_s is not None:
+                wall_end = started + request.wall_limit_s
         deadline = started + budget if wall_end is None else min(started + budget, wall_end)
         try:
             attempt = pool.execute(message, deadline, request.grace_s)

@@ -35,10 +35,13 @@ import torch.distributed as dist
 from harness._controller import stacks
 from harness._protocol import (
     BodyReturned,
+    Probe,
+    ProbeResult,
     Proceed,
     Ready,
     RunTest,
     Shutdown,
+    Status,
     SubtestFinished,
     SubtestStarted,
     TestFinished,
@@ -52,7 +55,9 @@ _STOP_TIMEOUT_S = 5.0
 _SIGNAL_WAIT_S = 1.5
 _STACK_WAIT_S = 3.0
 _STABLE_POLLS = 4
+_PROBE_TIMEOUT_S = 10.0
 _LOOPBACK_ENV = (("GLOO_SOCKET_IFNAME", "lo"), ("NCCL_SOCKET_IFNAME", "lo"))
+_DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"  # DETAIL: torch checks every collective across ranks
 
 
 class PoolState(enum.Enum):
@@ -208,6 +213,8 @@ class RankPool:
 
     def _spec(self, rank: int, port: int, sys_path: tuple[str, ...]) -> WorkerSpec:
         env = {k: os.environ.get(k, v) for k, v in _LOOPBACK_ENV}
+        if self.key.check_collectives:
+            env[_DEBUG_ENV] = "DETAIL"
         return WorkerSpec(
             rank=rank,
             world_size=self.key.world_size,
@@ -257,11 +264,35 @@ class RankPool:
             proc.conn.send(request)
         driver = _AttemptDriver(self._ranks, deadline, grace_s)
         attempt = driver.run()
+        if not attempt.pool_broken and not _passed_cleanly(attempt):
+            attempt.pool_broken = not self._probe()
         for proc in self._ranks:
             attempt.ranks[proc.rank].output = proc.read_output()
         if attempt.pool_broken:
             self.state = PoolState.BROKEN
         return attempt
+
+    def _probe(self) -> bool:
+        """[Note: Keeping the pool after a clean failure] Every rank finished the
+        test (none died, hung or leaked), but an aborted collective may have left
+        the default group out of step. A small all-reduce on every rank, with a
+        timeout, tells: the pool is kept only if every rank gets the right sum."""
+        for proc in self._ranks:
+            proc.conn.send(Probe())
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        answers: dict[int, bool] = {}
+        while len(answers) < len(self._ranks):
+            remaining = deadline - time.monotonic()
+            pending = {p.conn: p for p in self._ranks if p.rank not in answers}
+            ready = wait(list(pending), timeout=max(0.0, remaining))
+            if not ready:
+                return False
+            for conn in ready:
+                message = _recv(pending[conn])  # type: ignore[index]
+                if not isinstance(message, ProbeResult):
+                    return False
+                answers[message.rank] = message.ok
+        return all(answers.values())
 
     def stop(self) -> None:
         if self.state is PoolState.STOPPED:
@@ -277,6 +308,14 @@ class RankPool:
         self._store = None
         self._tmpdir.cleanup()
         self.state = PoolState.STOPPED
+
+
+def _passed_cleanly(attempt: Attempt) -> bool:
+    """Every rank passed (or skipped) the test, and no subtest failed."""
+    statuses = {r.finished.status for r in attempt.ranks.values() if r.finished is not None}
+    if len(statuses) != 1 or Status.FAILED in statuses:
+        return False
+    return not any(record.any_failed() for record in attempt.subtests.values())
 
 
 def _stop_processes(processes: list[mp.process.BaseProcess], graceful: bool) -> None:
@@ -368,12 +407,14 @@ class _AttemptDriver:
             self._pending.discard(rank)
             if message.leak:
                 self.attempt.leaks[rank] = message.leak
-            if not message.healthy or message.leak or message.status.is_failed():
-                # A failed test may have left collectives or state half done,
-                # a leaking one slows every later test: the next test gets a
-                # fresh pool.
+            if not message.healthy or message.leak:
+                # An unhealthy rank cannot go on; a leaking one slows every later
+                # test: the next test gets a fresh pool. (A test that merely
+                # failed keeps the pool if the probe agrees: see RankPool._probe.)
                 self.attempt.pool_broken = True
-            if message.status.is_failed():
+            if message.status.is_failed() or message.status is Status.SKIPPED:
+                # A rank that failed, or skipped alone, may leave the others in a
+                # collective it never joins.
                 self._start_grace()
 
     def _on_subtest_finished(self, rank: int, message: SubtestFinished) -> None:
@@ -381,7 +422,7 @@ class _AttemptDriver:
             message.index, SubtestRecord(message.index, message.config)
         )
         record.finished[rank] = message
-        if message.status.is_failed():
+        if message.status.is_failed() or message.status is Status.SKIPPED:
             self._failed_subtest = message.index
             self._start_grace()
         if len(record.finished) == len(self._ranks):
@@ -426,7 +467,8 @@ class _AttemptDriver:
         for rank, result in self.attempt.ranks.items():
             if result.stopped_stack is not None and rank not in record.finished:
                 stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
+                how = "skipped" if record.all_skipped() else "failed"
                 record.notes.append(
-                    f"rank {rank} was stopped after another rank failed this subtest; "
+                    f"rank {rank} was stopped after another rank {how} this subtest; "
                     f"it was blocked here:\n{stack}"
                 )

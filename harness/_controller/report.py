@@ -89,16 +89,12 @@ def _any_deselected(attempts: Sequence[Attempt]) -> bool:
 
 
 def _count(subtests: dict[int, SubtestRecord], attempts: Sequence[Attempt]) -> SubtestCounts:
+    """``ran`` counts the subtests that ran (skipped ones did not)."""
     failed = sum(1 for r in subtests.values() if r.any_failed())
-    skipped = sum(
-        1
-        for r in subtests.values()
-        if not r.any_failed()
-        and r.finished
-        and all(f.status is Status.SKIPPED for f in r.finished.values())
-    )
+    skipped = sum(1 for r in subtests.values() if not r.any_failed() and r.all_skipped())
     deselected = sum(a.ranks[0].deselected_total() for a in attempts if 0 in a.ranks)
-    return SubtestCounts(ran=len(subtests), failed=failed, skipped=skipped, deselected=deselected)
+    ran = len(subtests) - skipped
+    return SubtestCounts(ran=ran, failed=failed, skipped=skipped, deselected=deselected)
 
 
 def _status(final: Attempt, counts: SubtestCounts | None) -> Status:
@@ -110,9 +106,11 @@ def _status(final: Attempt, counts: SubtestCounts | None) -> Status:
     statuses = [r.finished.status for r in results if r.finished is not None]
     if any(s.is_failed() for s in statuses) or len(statuses) < len(results):
         return Status.FAILED
+    if _inconsistent_skip(final):
+        return Status.FAILED
     if any(s is Status.SKIPPED for s in statuses):
         return Status.SKIPPED
-    if counts is not None and counts.ran and counts.skipped == counts.ran:
+    if counts is not None and counts.skipped and not counts.ran:
         # Every subtest skipped: the test checked nothing, and reported as
         # passed it would hide the missing coverage in the counts.
         return Status.SKIPPED
@@ -130,7 +128,30 @@ def _skip_reason(final: Attempt, subtests: dict[int, SubtestRecord]) -> str:
     return "skipped"
 
 
+def _inconsistent_skip(final: Attempt) -> str:
+    """Some ranks skipped the test while others ran it (or were still running)."""
+    skipped = [
+        r for r in final.ranks.values() if r.finished and r.finished.status is Status.SKIPPED
+    ]
+    others = [r for r in final.ranks.values() if r not in skipped]
+    if not skipped or not others:
+        return ""
+    reason = skipped[0].finished.text if skipped[0].finished else ""
+    names = ", ".join(f"rank {r.rank}" for r in skipped)
+    rest = ", ".join(f"rank {r.rank}" for r in others)
+    return f"inconsistent skip: {names} skipped ({reason}) but {rest} did not"
+
+
+def _ended(final: Attempt) -> str:
+    """How the ranks that finished ended the test: 'skipped' or 'failed'."""
+    done = [r.finished.status for r in final.ranks.values() if r.finished is not None]
+    return "skipped" if done and all(s is Status.SKIPPED for s in done) else "failed"
+
+
 def _header(final: Attempt, info: RunInfo, counts: SubtestCounts | None) -> str:
+    inconsistent = _inconsistent_skip(final)
+    if inconsistent and not final.timed_out:
+        return f"{inconsistent} ({info.describe()})"
     if final.timed_out:
         return (
             f"timed out after {info.timeout_s:g} s ({info.describe()}); stacks of every rank below"
@@ -177,10 +198,18 @@ def _subtest_section(subtests: dict[int, SubtestRecord]) -> str:
         if lines:
             lines.append("")
         failed_ranks = [r for r, f in sorted(record.finished.items()) if f.status.is_failed()]
-        where = ", ".join(f"rank {r}" for r in failed_ranks) or "no rank reported"
+        where = ", ".join(f"rank {r}" for r in failed_ranks)
+        if not where:
+            where = (
+                "no rank (inconsistent skip)"
+                if record.all_skipped() or record.inconsistent_skip()
+                else "no rank reported"
+            )
         lines.append(f"=== subtest {record.index} [{record.config}]: failed on {where} ===")
         lines.append(f're-run it alone with: --subtest "{record.config}"')
         lines.extend(_grouped_tracebacks(record, failed_ranks))
+        if record.inconsistent_skip():
+            lines.append(record.inconsistent_skip())
         lines.extend(record.notes)
     return "\n".join(lines)
 
@@ -249,7 +278,7 @@ def _stopped_section(result: RankResult, final: Attempt) -> str:
     if result.current_subtest is not None:
         where = f" in subtest {result.current_subtest[0]} [{result.current_subtest[1]}]"
     if result.body_returned is not None:
-        when = "at the deadline" if final.timed_out else "when another rank failed"
+        when = "at the deadline" if final.timed_out else f"when another rank {_ended(final)}"
         return (
             f"=== rank {result.rank}: the test body returned "
             f"({result.body_returned.value}), but its queued device work was still "
@@ -260,7 +289,7 @@ def _stopped_section(result: RankResult, final: Attempt) -> str:
     if final.timed_out:
         why = f"still running{where} at the deadline"
     else:
-        why = f"stopped{where} after another rank failed; it was blocked here"
+        why = f"stopped{where} after another rank {_ended(final)}; it was blocked here"
     stack = stacks.clean(result.stopped_stack) if result.stopped_stack else ""
     stack = stack or "(no stack: it did not answer)"
     return f"=== rank {result.rank}: {why} ===\n{stack}"

@@ -6,7 +6,8 @@ captured when the pool started (and extended as modules are imported):
 
 - ``os.environ`` is restored key by key (a test that sets
   ``FSDP_USE_FULL_PREC_IN_EVAL`` cannot change the next test's behaviour);
-- the default dtype and grad mode are reset;
+- the default dtype and grad mode are reset, and torch function modes the test
+  left pushed are popped;
 - every module attribute and class attribute of tracked modules (ours, the test
   modules, ``torch.distributed``) is restored by identity, which undoes a
   monkeypatch that was never reverted (``FlatParamHandle._use_unsharded_views = f``);
@@ -38,6 +39,7 @@ objects are collected too, so garbage among them is reclaimed.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import random
@@ -50,6 +52,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from harness._rank.cuda_mapping import pop_function_modes
 
 # Namespaces torch owns: only functions and classes are restored (what a
 # monkeypatch replaces); plain values there are torch's own runtime state.
@@ -153,10 +157,12 @@ class StateBaseline:
         self._restore_environ()
         torch.set_default_dtype(self.default_dtype)
         torch.set_grad_enabled(True)
+        pop_function_modes()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             restored = sum(snapshot.restore() for snapshot in self.namespaces.values())
         _reset_dynamo()
+        _clear_dtensor_caches()
         return restored
 
     @staticmethod
@@ -179,6 +185,26 @@ def _reset_dynamo() -> None:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor memoises sharding propagation and redistribution plans per device
+    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache);
+    a mesh holds its process groups, so without this a test whose DTensors used
+    a group it created would keep the group alive and be reported as leaking it."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("torch.distributed.tensor"):
+            for value in list(vars(module).values()):
+                members = list(vars(value).values()) if isinstance(value, type) else []
+                for cached in (value, *members):
+                    cached = getattr(cached, "__func__", cached)  # staticmethod
+                    if isinstance(cached, functools._lru_cache_wrapper):
+                        cached.cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    getattr(redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 class GroupTracker:
@@ -313,12 +339,14 @@ def describe_holders(target: weakref.ReferenceType[object]) -> str:
     """Who refers to the object behind ``target``: ``Class.attribute`` for
     instance attributes."""
     gc.unfreeze()  # frozen objects are invisible to get_referrers
+    names: set[str] = set()
     try:
         obj = target()
-        names: set[str] = set()
-        for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
-            names.add(_holder_name(ref, obj))
-        del obj, ref
+        if obj is not None:  # collected since the caller looked
+            for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
+                names.add(_holder_name(ref, obj))
+                del ref  # no reference may outlive the loop (it may have had no iteration)
+        del obj
     finally:
         gc.freeze()
     names.discard("")

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from harness._protocol import (
     BodyReturned,
+    Probe,
+    ProbeResult,
     Ready,
     RunTest,
     Shutdown,
@@ -20,6 +22,7 @@ from harness._protocol import (
     WorkerSpec,
 )
 from harness._rank import context as rank_context
+from harness._rank.cuda_mapping import mapped
 from harness._rank.importer import import_test_module, resolve_qualname
 from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
 
@@ -36,17 +39,39 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
-            return 0
+        except (EOFError, OSError):
+            return 0  # the pytest process went away: nothing left to report to
         if isinstance(message, Shutdown):
             _shutdown_process_group()
             return 0
+        if isinstance(message, Probe):
+            conn.send(ProbeResult(spec.rank, _probe_default_group(device)))
+            continue
         assert isinstance(message, RunTest), message
         outcome = run_test(message, spec, device, conn, baseline, leaks)
         conn.send(outcome)
 
 
+_PROBE_WAIT = datetime.timedelta(seconds=5)
+
+
+def _probe_default_group(device: torch.device) -> bool:
+    """Every rank all-reduces its rank + 1: in step, each gets the same known sum."""
+    world_size = dist.get_world_size()
+    value = torch.full((1,), float(dist.get_rank() + 1), device=device)
+    try:
+        dist.all_reduce(value, async_op=True).wait(timeout=_PROBE_WAIT)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return value.item() == world_size * (world_size + 1) / 2
+
+
 def _init_process_group(spec: WorkerSpec) -> torch.device:
+    # torch was imported (unpickling this process's target imports the harness)
+    # before the worker applied spec.env: TORCH_DISTRIBUTED_DEBUG is read again.
+    dist.set_debug_level_from_env()
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
         device = torch.device("cuda", spec.rank)
@@ -110,7 +135,7 @@ def run_test(
     )
     rank_context.activate(context)
     try:
-        status, text, exc_type = _call_test(message, baseline)
+        status, text, exc_type = _call_test(message, device, baseline)
     finally:
         rank_context.activate(None)
     subtests_failed, deselected = context.any_subtest_failed, context.deselected
@@ -133,7 +158,9 @@ def run_test(
     )
 
 
-def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, str]:
+def _call_test(
+    message: RunTest, device: torch.device, baseline: StateBaseline
+) -> tuple[Status, str, str]:
     try:
         if tuple(sys.path) != message.sys_path:
             sys.path[:] = list(message.sys_path)
@@ -143,7 +170,8 @@ def _call_test(message: RunTest, baseline: StateBaseline) -> tuple[Status, str, 
         baseline.track_module(module.__name__)
         cls = resolve_qualname(module, message.class_qualname)
         instance = cls.__new__(cls)
-        _run_with_setup(instance, message.method_name, message.kwargs)
+        with mapped(message.map_cuda_to_cpu, device):  # see harness._rank.cuda_mapping
+            _run_with_setup(instance, message.method_name, message.kwargs)
     except rank_context.SKIP_EXCEPTIONS as exc:
         return Status.SKIPPED, rank_context.skip_reason(exc), type(exc).__name__
     except BaseException as exc:

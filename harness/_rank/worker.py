@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from harness._protocol import WorkerSpec
+from harness._rank.runner import serve
 
 STACK_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1
@@ -41,10 +42,6 @@ def stacks_path(output_dir: str, rank: int) -> Path:
 def main(spec: WorkerSpec, conn: Connection, stack_requests: Connection) -> None:
     _prepare_process(spec)
     _serve_stack_requests(stack_requests)
-    # Imported only now: the runner imports torch, which must see the
-    # environment (CUDA_VISIBLE_DEVICES, ...) that _prepare_process set.
-    from harness._rank.runner import serve
-
     exit_code = serve(spec, conn)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,246 @@
+"""Hypothesis strategies for the property search's examples (see
+``fsdptest.properties.examples``).
+
+[Note: What the strategies draw]
+A configuration first, then a model that fits it, then the schedule:
+
+- models: an optional embedding (integer token inputs) or float features,
+  up to three blocks of one to three layers (Linear, LayerNorm, a Linear used
+  twice, two Linears sharing a weight, a constant buffer), blocks nested up to
+  two deep, widths from 1 and the primes up to 13, a head tied to the
+  embedding or not, frozen layers where FSDP allows them (anywhere with
+  ``use_orig_params=True``; whole blocks that are their own units otherwise:
+  a flat parameter must not mix frozen and trainable parameters);
+- configurations: every sharding strategy (hybrid with every replica count
+  that divides the world size), ``use_orig_params``, every ``MixedPrecision``
+  field (dtypes None, fp16 or bf16), CPU offload, backward and forward
+  prefetch, no auto-wrap, ``ModuleWrapPolicy`` or the size-based policy with a
+  threshold, ignored top-level blocks (in full precision: an ignored module
+  runs in its own dtype, so mixed precision would feed it low-precision
+  inputs);
+- schedules: one to three steps, each with up to three ``no_sync``/synced
+  microbatches in any order ending synced, ``zero_grad(set_to_none=...)``,
+  ``clip_grad_norm_`` or not (not with ignored blocks: their gradients are
+  each rank's own, so is the total norm, and clipping by it makes even DDP's
+  replicas differ), then nothing, a state-dict round trip or a summoned edit.
+
+Every choice lists its simplest value first, so that a failing example
+shrinks towards one small block, the default configuration and one step.
+
+[Note: What torch's FSDP is not asked]
+Examples run against torch's FSDP (``--fsdp-impl torch``) leave out what it
+cannot do; the suites named here assert each of these limitations:
+
+- CPU offload on a CPU-only run (``fsdptest.api``: torch pins memory and
+  synchronises accelerator streams);
+- hybrid sharding with a one-rank shard group (``replicas == world_size``):
+  torch switches to ``NO_SHARD`` and never reduces across the replicas
+  (``suites/test_hybrid_replicas.py``);
+- a flat parameter of one element with ``use_orig_params=False``: its shard
+  has the unsharded size, so a second synced backward mistakes the reduced
+  shard for an unsharded gradient and reduces it again
+  (``suites/test_grad_accumulation.py``, ``TestOneElementFlatParameter``).
+  Linear layers of one input and one output get a bias there (every other
+  module with parameters has at least two elements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from fsdptest.properties.examples import (
+    NO_SYNC,
+    SYNC,
+    Between,
+    Block,
+    Clip,
+    Config,
+    DType,
+    Example,
+    Layer,
+    LayerKind,
+    Model,
+    Precision,
+    Prefetch,
+    Sharding,
+    Step,
+    Wrap,
+)
+
+SIZES = (1, 2, 3, 5, 7, 11, 13)
+VOCABS = (0, 2, 3, 5, 7, 11)
+MAX_BLOCKS, MAX_LAYERS, MAX_DEPTH, MAX_STEPS, MAX_MICROBATCHES = 3, 3, 2, 3, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the examples run on: the FSDP under test and where its ranks run."""
+
+    impl: str  # "local" or "torch"
+    device_type: str  # "cpu" or "cuda"
+    world_size: int
+
+    def can_offload(self) -> bool:
+        return self.impl != "torch" or self.device_type != "cpu"
+
+    def replica_counts(self) -> list[int]:
+        counts = [r for r in range(1, self.world_size + 1) if self.world_size % r == 0]
+        if self.impl == "torch":
+            counts.remove(self.world_size)  # a one-rank shard group: see the note
+        return counts
+
+
+def dtypes() -> st.SearchStrategy[DType | None]:
+    return st.sampled_from([None, DType.FLOAT16, DType.BFLOAT16])
+
+
+def precisions() -> st.SearchStrategy[Precision]:
+    return st.builds(
+        Precision,
+        param_dtype=dtypes(),
+        reduce_dtype=dtypes(),
+        buffer_dtype=dtypes(),
+        keep_low_precision_grads=st.booleans(),
+        cast_forward_inputs=st.booleans(),
+        cast_root_forward_inputs=st.booleans().map(lambda b: not b),
+        norms_in_full_precision=st.booleans(),
+    )
+
+
+@st.composite
+def configs(draw: st.DrawFn, target: Target) -> Config:
+    sharding = draw(st.sampled_from(list(Sharding)))
+    replicas = draw(st.sampled_from(target.replica_counts())) if sharding.is_hybrid() else 1
+    wrap = draw(st.sampled_from(list(Wrap)))
+    return Config(
+        sharding=sharding,
+        replicas=replicas,
+        use_orig_params=draw(st.booleans()),
+        mixed_precision=draw(st.none() | precisions()),
+        offload_params=draw(st.booleans()) if target.can_offload() else False,
+        backward_prefetch=draw(st.sampled_from(list(Prefetch))),
+        forward_prefetch=draw(st.booleans()),
+        wrap=wrap,
+        min_num_params=draw(st.integers(1, 200)) if wrap is Wrap.SIZE else 0,
+    )
+
+
+def _frozen_layers(config: Config) -> bool:
+    return config.use_orig_params
+
+
+def _frozen_blocks(config: Config) -> bool:
+    """Whole blocks may be frozen when each is a unit of its own."""
+    return not config.use_orig_params and config.wrap is Wrap.BLOCKS
+
+
+@st.composite
+def layers(draw: st.DrawFn, config: Config, frozen_block: bool) -> Layer:
+    kind = draw(st.sampled_from(list(LayerKind)))
+    frozen = frozen_block or (_frozen_layers(config) and draw(st.booleans()))
+    return Layer(
+        kind=kind,
+        width=draw(st.sampled_from(SIZES)) if kind is LayerKind.LINEAR else 0,
+        bias=draw(st.booleans().map(lambda b: not b)),
+        frozen=frozen and kind is not LayerKind.SCALE,
+        persistent=draw(st.booleans().map(lambda b: not b)) if kind is LayerKind.SCALE else True,
+    )
+
+
+@st.composite
+def blocks(draw: st.DrawFn, config: Config, depth: int) -> Block:
+    frozen = _frozen_blocks(config) and draw(st.booleans())
+    drawn = draw(st.lists(layers(config, frozen), min_size=1, max_size=MAX_LAYERS))
+    children: list[Block] = []
+    if depth < MAX_DEPTH:
+        children = draw(st.lists(blocks(config, depth + 1), max_size=2))
+    return Block(tuple(drawn), tuple(children))
+
+
+@st.composite
+def models(draw: st.DrawFn, config: Config) -> Model:
+    vocab = draw(st.sampled_from(VOCABS))
+    return Model(
+        vocab=vocab,
+        width=draw(st.sampled_from(SIZES)),
+        blocks=tuple(draw(st.lists(blocks(config, 1), min_size=1, max_size=MAX_BLOCKS))),
+        tied_head=bool(vocab) and draw(st.booleans()),
+        outputs=draw(st.sampled_from(SIZES)),
+        batch=draw(st.integers(1, 3)),
+        seq=draw(st.integers(1, 3)),
+    )
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> Step:
+    prefix = draw(st.lists(st.sampled_from([SYNC, NO_SYNC]), max_size=MAX_MICROBATCHES - 1))
+    return Step(
+        microbatches="".join(prefix) + SYNC,
+        set_to_none=draw(st.booleans().map(lambda b: not b)),
+        clip=draw(st.sampled_from(list(Clip))),
+        then=draw(st.sampled_from(list(Between))),
+    )
+
+
+def _fit_inputs(config: Config, model: Model) -> Config:
+    """Float features reach a low-precision first layer only when some unit casts
+    them (integer tokens are never cast)."""
+    precision = config.mixed_precision
+    if model.vocab or precision is None or precision.param_dtype is None:
+        return config
+    if precision.cast_root_forward_inputs or precision.cast_forward_inputs:
+        return config
+    fitted = dataclasses.replace(precision, cast_root_forward_inputs=True)
+    return dataclasses.replace(config, mixed_precision=fitted)
+
+
+def _without_one_element_units(model: Model) -> Model:
+    """Gives a bias to every 1x1 Linear, so that no unit's flat parameter has one
+    element (see [Note: What torch's FSDP is not asked])."""
+
+    def fix_block(block: Block, width: int) -> Block:
+        fixed = []
+        for layer in block.layers:
+            out = layer.out_width(width)
+            one_by_one = width == 1 and out == 1 and layer.kind in _LINEAR_KINDS
+            fixed.append(dataclasses.replace(layer, bias=True) if one_by_one else layer)
+            width = out
+        children = []
+        for child in block.children:
+            children.append(fix_block(child, width))
+            width = child.out_width(width)
+        return Block(tuple(fixed), tuple(children))
+
+    blocks, width = [], model.width
+    for block in model.blocks:
+        blocks.append(fix_block(block, width))
+        width = block.out_width(width)
+    return dataclasses.replace(model, blocks=tuple(blocks))
+
+
+_LINEAR_KINDS = (LayerKind.LINEAR, LayerKind.SHARED, LayerKind.TIED)
+
+
+@st.composite
+def examples(draw: st.DrawFn, target: Target) -> Example:
+    config = draw(configs(target))
+    model = draw(models(config))
+    if target.impl == "torch" and not config.use_orig_params:
+        model = _without_one_element_units(model)
+    config = _fit_inputs(config, model)
+    if config.mixed_precision is None:
+        indices = list(range(len(model.blocks)))
+        ignored = draw(st.lists(st.sampled_from(indices), unique=True, max_size=len(indices)))
+        config = dataclasses.replace(config, ignored_blocks=tuple(sorted(ignored)))
+    schedule = draw(st.lists(steps(), min_size=1, max_size=MAX_STEPS))
+    if config.ignored_blocks:
+        schedule = [dataclasses.replace(step, clip=Clip.NONE) for step in schedule]
+    return Example(
+        world_size=target.world_size,
+        model=model,
+        config=config,
+        steps=tuple(schedule),
+        seed=draw(st.integers(0, 2**16)),
+    )

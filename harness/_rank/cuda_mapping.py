@@ -1,0 +1,96 @@
+"""``--map-cuda-to-cpu``: the CUDA devices a test names resolve to its CPU rank's device.
+
+[Note: Mapping CUDA to a CPU rank]
+Tests written for GPUs name their device in code: ``tensor.cuda()``,
+``module.cuda()``, ``torch.zeros(..., device="cuda")``, ``x.to("cuda:1")``. On a
+CPU rank these fail (``Torch not compiled with CUDA enabled`` on a CPU build of
+torch). With the opt-in, a CPU rank runs the test's ``setUp``, body and
+``tearDown`` under a torch function mode that rewrites every CUDA device a torch
+function receives to the rank's device: a ``device=`` keyword (factories,
+``new_*``, ``*_like``, layers built with ``device=``), the device argument of
+``Tensor.to``, and ``Tensor.cuda`` itself; ``Module.cuda`` and ``Module.to`` reach
+those. A CUDA device is a ``torch.device`` or string of type ``cuda``, or an
+integer index (torch's spelling of the current accelerator's device).
+
+A mode rather than patched attributes: the device reaches torch through
+hundreds of functions, and a mode is one object on a stack. ``mapped`` pops the
+stack back to its depth before the test when the test ends, also what the
+test itself left pushed, so nothing outlives the test (``isolation`` clears the
+stack after every test as well).
+
+Not mapped: the ``torch.cuda`` functions (``current_device``, ``set_device``,
+``synchronize``, streams, events), a CUDA device handed to code that is not a
+torch function (``FSDP(device_id=torch.device("cuda"))``,
+``DDP(device_ids=[rank])``), and comparisons with a CUDA device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_KEYWORDS = ("non_blocking", "memory_format")
+
+
+def names_cuda(device: object) -> bool:
+    """Whether ``device`` (a device argument of a torch function) names a CUDA device."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToRankDevice(TorchFunctionMode):
+    """Rewrites the CUDA devices torch functions receive to ``device`` (see the module note)."""
+
+    device: torch.device
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            moves = {k: v for k, v in kwargs.items() if k in _CUDA_KEYWORDS}
+            return args[0].to(self.device, **moves)
+        if names_cuda(kwargs.get("device")):
+            kwargs["device"] = self.device
+        if func is torch.Tensor.to and len(args) > 1 and names_cuda(args[1]):
+            args = (args[0], self.device, *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def mapped(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Runs the block under ``CudaToRankDevice(device)`` when ``enabled`` and the
+    rank computes on the CPU; afterwards the torch function mode stack is as before."""
+    if not enabled or device.type != "cpu":
+        yield
+        return
+    depth = torch._C._len_torch_function_stack()
+    CudaToRankDevice(device).__enter__()  # left by popping the stack back to its depth
+    try:
+        yield
+    finally:
+        pop_function_modes(depth)
+
+
+def pop_function_modes(depth: int = 0) -> int:
+    """Pops torch function modes until ``depth`` remain; returns how many were popped."""
+    popped = 0
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+        popped += 1
+    return popped

@@ -1,0 +1,172 @@
+"""How many bytes of tensor memory a rank holds, at points a test marks.
+
+[Note: Measuring tensor memory on CPU ranks]
+On CUDA, ``torch.cuda.memory_allocated`` answers at once. The CPU allocator
+keeps no such count, but torch's profiler, with ``profile_memory=True``, records
+every allocation and free of the threads it profiles with its size. A
+``MemoryMeter`` on a CPU rank profiles the whole measured stretch; ``mark(key)``
+drops a zero-length annotation; ``held()`` then adds up the allocations and
+frees recorded before each mark: the bytes allocated since the meter started
+and still held at that mark. Sizes are the allocator's requests (no caching,
+no rounding).
+
+The profiler records only the thread that runs the test. A tensor that thread
+allocated and another thread freed would look held for ever, and gloo's worker
+threads drop their references to a collective's tensors after the caller's
+wait returned, racing the caller for the last reference. So while measuring,
+the all-gathers, reduce-scatters and all-reduces (every name, see
+``harness.collectives``) run on a helper thread, on copies it makes and frees
+itself, and it copies the result into the caller's output in place: the
+test's thread never shares a tensor with gloo, and the copies, allocated and
+freed outside the profiled thread, are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._pytree import tree_map_only
+
+from harness.collectives import Collective, patch_collective
+
+_MARK = "harness.memory:"
+
+
+class MemoryMeter:
+    """Bytes of tensor memory held at marked points, on the rank's device."""
+
+    device: torch.device
+    _profile: profile | None
+    _cuda: dict[str, int]
+    _keys: list[str]
+    _held: dict[str, int] | None
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._profile = None
+        self._cuda = {}
+        self._keys = []
+        self._held = None
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[MemoryMeter]:
+        """Measures from entry: CPU marks count the bytes allocated since then."""
+        if self.device.type == "cuda":
+            yield self
+            return
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _collectives_off_thread(), self._profile:
+            yield self
+
+    def mark(self, key: str) -> None:
+        """Notes the bytes held now under ``key``."""
+        if key in self._keys:
+            raise ValueError(f"mark {key!r} twice")
+        self._keys.append(key)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda._clear_cublas_workspaces()  # not tensors: upstream clears them too
+            self._cuda[key] = torch.cuda.memory_allocated(self.device)
+            return
+        with record_function(_MARK + key):
+            pass
+
+    def held(self) -> dict[str, int]:
+        """Bytes held at each mark, in marking order (CPU: available once the
+        ``measuring()`` block is left)."""
+        if self.device.type == "cuda":
+            return dict(self._cuda)
+        if self._held is None:
+            self._held = self._held_from_profile()
+        return dict(self._held)
+
+    def _held_from_profile(self) -> dict[str, int]:
+        assert self._profile is not None and self._profile.profiler is not None, "not measured"
+        results = self._profile.profiler.kineto_results
+        assert results is not None
+        stream: list[tuple[int, int, str | None, int]] = []  # (time, order, mark, bytes)
+        for event in results.events():
+            name = event.name()
+            if name == "[memory]":
+                stream.append((event.start_ns(), 1, None, event.nbytes()))
+            elif name.startswith(_MARK):
+                stream.append((event.start_ns(), 0, name[len(_MARK) :], 0))
+        stream.sort(key=lambda e: (e[0], e[1]))
+        held, total = {}, 0
+        for _, _, key, nbytes in stream:
+            if key is None:
+                total += nbytes
+            else:
+                held[key] = total
+        missing = [k for k in self._keys if k not in held]
+        assert not missing, f"marks not recorded by the profiler: {missing}"
+        return {key: held[key] for key in self._keys}
+
+
+@contextlib.contextmanager
+def _collectives_off_thread() -> Iterator[None]:
+    """See [Note: Measuring tensor memory on CPU ranks]."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="harness-memory-collectives")
+    on_helper = threading.local()
+
+    def handler(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(on_helper, "active", False):  # the original calling another name
+            return original(*args, **kwargs)
+        async_op = kwargs.pop("async_op", False)
+        executor.submit(_run_on_copies, on_helper, original, args, kwargs).result()
+        return _Done() if async_op else None
+
+    with contextlib.ExitStack() as stack:
+        for kind in Collective:
+            stack.enter_context(patch_collective(kind, handler))
+        try:
+            yield
+        finally:
+            executor.shutdown()
+
+
+def _run_on_copies(
+    on_helper: threading.local, original: Callable[..., Any], args: Any, kwargs: Any
+) -> None:
+    """Runs the collective on copies of its tensors, then copies the written
+    operand (the first: an output, a list of outputs, or all-reduce's tensor)
+    back in place."""
+    on_helper.active = True
+    try:
+        copies: dict[int, torch.Tensor] = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return copies.setdefault(id(t), t.detach().clone())
+
+        copied_args, copied_kwargs = tree_map_only(torch.Tensor, copy, (args, kwargs))
+        original(*copied_args, **copied_kwargs)
+        written = args[0] if args else next(iter(kwargs.values()))
+        written_copy = copied_args[0] if args else next(iter(copied_kwargs.values()))
+        pairs = (
+            zip([written], [written_copy])
+            if torch.is_tensor(written)
+            else zip(written, written_copy)
+        )
+        with torch.no_grad():
+            for target, result in pairs:
+                target.copy_(result)
+    finally:
+        on_helper.active = False
+
+
+class _Done:
+    """The work handle of a collective that already ran."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True

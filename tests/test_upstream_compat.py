@@ -1,0 +1,285 @@
+"""The ``upstream`` package: upstream-style FSDP test files run here after changing
+only their imports; upstream's test names; ``--map-cuda-to-cpu``."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from harness._rank.cuda_mapping import mapped
+from tests.conftest import INNER_DEVICE
+from upstream.common_device_type import instantiate_device_type_tests
+from upstream.common_distributed import TEST_SKIPS, skip_if_lt_x_gpu
+from upstream.common_fsdp import (
+    CUDAInitMode,
+    DEVICEInitMode,
+    DummyProcessGroup,
+    FSDPInitMode,
+    NestedWrappedModule,
+    as_device_init_mode,
+    subtest_name,
+)
+from upstream.common_utils import instantiate_parametrized_tests, parametrize, subtest
+
+UPSTREAM_STYLE_FILE = Path(__file__).parent / "upstream_style" / "fsdp_apply_and_clip.py"
+ON_CPU = INNER_DEVICE == "cpu"
+
+
+# -- the proof: an upstream-style file, both implementations --------------------------------
+
+
+@pytest.mark.parametrize("impl", ["local", "torch"])
+def test_upstream_style_file_passes_under_both_implementations(inner: Any, impl: str) -> None:
+    """tests/upstream_style/fsdp_apply_and_clip.py (upstream's idioms, only the imports
+    changed) passes, with upstream's class and test names."""
+    run = inner(
+        UPSTREAM_STYLE_FILE.read_text(),
+        "-p",
+        "upstream.plugin",
+        "--fsdp-impl",
+        impl,
+        "--map-cuda-to-cpu",
+        "-v",
+    )
+    run.result.assert_outcomes(passed=7)
+    for name in (
+        "TestApplyCUDA::test_nested_module_apply_cuda PASSED",
+        "TestApplyCUDA::test_transformer_module_apply_cuda PASSED",
+        "TestApplyCUDA::test_apply_in_summon_raises_error_cuda PASSED",
+        "TestApplyCUDA::test_parity_with_ddp_full_shard_cuda PASSED",
+        "TestApplyCUDA::test_parity_with_ddp_no_shard_cuda PASSED",
+        "TestClipGradNormCUDA::test_non_root_cuda PASSED",
+        "TestClipGradNormCUDA::test_ddp_parity_cuda PASSED",
+    ):
+        assert name in run.text
+    assert "24 subtests ran, 0 failed, 0 skipped" in run.text
+
+
+RUN_AS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from upstream.common_device_type import instantiate_device_type_tests
+    from upstream.common_distributed import skip_if_lt_x_gpu
+    from upstream.common_fsdp import FSDPTest
+    from upstream.common_utils import run_tests
+
+
+    class TestScript(FSDPTest):
+        @skip_if_lt_x_gpu(2)
+        def test_ranks(self, device):
+            assert torch.device(device).type == self.device_type
+            assert self.world_size == 2 and self.rank in (0, 1)
+
+
+    instantiate_device_type_tests(TestScript, globals(), only_for=("cuda",))
+
+    if __name__ == "__main__":
+        run_tests()
+    """
+)
+
+
+def test_run_tests_runs_the_file_under_pytest(inner: Any, pytester: pytest.Pytester) -> None:
+    """``python test_file.py <pytest arguments>`` runs the file's tests (run_tests())."""
+    path = pytester.makepyfile(test_script=RUN_AS_SCRIPT)
+    result = pytester.run(
+        sys.executable, str(path), "-p", "harness.plugin", "--device", INNER_DEVICE, "-v"
+    )
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*TestScriptCUDA::test_ranks_cuda PASSED*"])
+
+
+# -- --map-cuda-to-cpu -------------------------------------------------------------------------
+
+CUDA_MAPPING = textwrap.dedent(
+    """
+    import pytest, torch
+    from torch import nn
+    from torch.overrides import BaseTorchFunctionMode
+    from harness import DistributedTest
+
+
+    class TestMapping(DistributedTest):
+        @pytest.mark.map_cuda_to_cpu
+        def test_marked_resolves_cuda_to_the_rank_device(self):
+            layer = nn.Linear(2, 2).cuda()
+            x = torch.ones(2, device="cuda").to("cuda:1") + torch.zeros(2).cuda(self.rank)
+            assert layer(x).device == self.device == torch.device("cpu")
+
+        def test_unmarked_test_sees_no_mapping(self):
+            assert torch._C._len_torch_function_stack() == 0
+            with pytest.raises((AssertionError, RuntimeError)):
+                torch.ones(1).cuda()
+
+        @pytest.mark.map_cuda_to_cpu
+        def test_leaves_a_mode_pushed(self):
+            BaseTorchFunctionMode().__enter__()
+            assert torch._C._len_torch_function_stack() == 2
+
+        def test_next_test_starts_without_modes(self):
+            assert torch._C._len_torch_function_stack() == 0
+    """
+)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the mapping applies to CPU ranks only")
+def test_cuda_mapping_is_opt_in_per_test_and_undone_after_it(inner: Any) -> None:
+    """The marker maps CUDA devices in its test only; the mode stack is empty again
+    after every test, also after a test that left a mode of its own pushed."""
+    run = inner(CUDA_MAPPING, "-v")
+    run.result.assert_outcomes(passed=4)
+
+
+def test_cuda_mapping_resolves_device_arguments_and_restores_the_mode_stack() -> None:
+    depth = torch._C._len_torch_function_stack()
+    cpu = torch.device("cpu")
+    with mapped(True, cpu):
+        module = nn.Linear(2, 3).cuda()
+        built = nn.Linear(2, 3, device="cuda")
+        tensors = [
+            torch.zeros(2, device="cuda"),
+            torch.randn(2, device=torch.device("cuda", 1)),
+            torch.ones(2).cuda(0),
+            torch.ones(2).to("cuda", torch.float16),
+            torch.empty_like(torch.ones(1), device=0),
+            module.weight.new_zeros(3, device="cuda:0"),
+        ]
+        module.to(torch.device("cuda"))
+        torch.overrides.BaseTorchFunctionMode().__enter__()  # left pushed on purpose
+    assert torch._C._len_torch_function_stack() == depth
+    devices = {t.device for t in [*tensors, module.weight, built.weight]}
+    assert devices == {cpu}
+    assert tensors[3].dtype == torch.float16
+    with mapped(False, cpu):
+        assert torch._C._len_torch_function_stack() == depth
+    with mapped(True, torch.device("meta")):  # a rank that is not on the CPU: unmapped
+        assert torch._C._len_torch_function_stack() == depth
+
+
+# -- upstream's names, without ranks -----------------------------------------------------------
+
+
+def _instantiate(generic: type, **kwargs: Any) -> dict[str, Any]:
+    scope: dict[str, Any] = {generic.__name__: generic}
+    instantiate_device_type_tests(generic, scope, **kwargs)
+    return scope
+
+
+def _tests(cls: type) -> list[str]:
+    return sorted(name for name in vars(cls) if name.startswith("test"))
+
+
+def test_device_type_instantiation_uses_upstream_names() -> None:
+    class TestThing:
+        @parametrize("use_orig_params", [False, True])
+        def test_a(self, device: str, use_orig_params: bool) -> tuple[str, bool]:
+            return device, use_orig_params
+
+        def test_b(self) -> str:
+            return self.device_type  # type: ignore[attr-defined,no-any-return]
+
+    scope = _instantiate(TestThing, only_for=("cuda", "hpu", "xpu"), allow_xpu=True)
+    assert list(scope) == ["TestThingCUDA"]
+    cls = scope["TestThingCUDA"]
+    assert cls.__qualname__ == "TestThingCUDA" and cls.__module__ == __name__
+    assert _tests(cls) == [
+        "test_a_use_orig_params_False_cuda",
+        "test_a_use_orig_params_True_cuda",
+        "test_b_cuda",
+    ]
+    assert _tests(TestThing) == []
+    # no parameters for pytest to look up as fixtures; the device is the test's
+    assert list(inspect.signature(cls.test_a_use_orig_params_True_cuda).parameters) == ["self"]
+    if not torch.cuda.is_available():  # else this would initialise CUDA in the pytest process
+        assert cls().test_a_use_orig_params_True_cuda() == ("cpu", True)
+        assert cls().test_b_cuda() == "cpu"
+
+
+def test_device_type_instantiation_filters_devices_like_upstream() -> None:
+    def generic() -> type:
+        class TestBoth:
+            def test_x(self) -> None: ...
+
+        return TestBoth
+
+    assert list(_instantiate(generic())) == ["TestBothCPU", "TestBothCUDA"]
+    assert list(_instantiate(generic(), except_for="cuda")) == ["TestBothCPU"]
+    scope = _instantiate(generic(), only_for=["cpu"])
+    assert _tests(scope["TestBothCPU"]) == ["test_x_cpu"]
+    assert scope["TestBothCPU"]().device_type == "cpu"
+    with pytest.raises(AssertionError, match="both except_for and only_for"):
+        _instantiate(generic(), only_for="cpu", except_for="cpu")
+
+
+def test_parametrize_names_values_as_upstream_does() -> None:
+    names = {"True": "offload", "False": "no_offload"}
+
+    @instantiate_parametrized_tests
+    class TestNames:
+        @parametrize("dtype", [torch.float16, torch.bfloat16])
+        @parametrize("lr", [0.5])
+        def test_stacked(self, dtype: torch.dtype, lr: float) -> None: ...
+
+        @parametrize("mode", [DEVICEInitMode.DEVICE_BEFORE, DEVICEInitMode.DEVICE_AFTER])
+        def test_enum(self, mode: DEVICEInitMode) -> None: ...
+
+        @parametrize("offload", [True, False], lambda offload: subtest_name(names, offload))
+        def test_name_fn(self, offload: bool) -> None: ...
+
+        @parametrize("a,b", [subtest((1, 2), name="small"), (3, "x")])
+        def test_subtest(self, a: int, b: object) -> None: ...
+
+    assert _tests(TestNames) == sorted(
+        [
+            "test_enum_mode0",
+            "test_enum_mode1",
+            "test_name_fn_offload",
+            "test_name_fn_no_offload",
+            "test_stacked_float16_lr_0_5",
+            "test_stacked_bfloat16_lr_0_5",
+            "test_subtest_small",
+            "test_subtest_a_3_b_x",
+        ]
+    )
+
+
+def test_subtest_decorators_apply_to_their_case_only() -> None:
+    @instantiate_parametrized_tests
+    class TestSkipOne:
+        @parametrize("n", [subtest(0, name="zero", decorators=[pytest.mark.skip]), 1])
+        def test_n(self, n: int) -> int:
+            return n
+
+    assert getattr(TestSkipOne.test_n_zero, "pytestmark", None)
+    assert not getattr(TestSkipOne.test_n_n_1, "pytestmark", None)
+    assert TestSkipOne().test_n_n_1() == 1
+
+
+def test_upstream_init_modes_mean_the_layer_modes() -> None:
+    for before in (DEVICEInitMode.DEVICE_BEFORE, CUDAInitMode.CUDA_BEFORE):
+        assert before.is_before() and not before.is_after()
+    assert as_device_init_mode(CUDAInitMode.CUDA_AFTER) is as_device_init_mode(
+        DEVICEInitMode.DEVICE_AFTER
+    )
+    model = NestedWrappedModule.init(
+        DummyProcessGroup(rank=0, size=1), FSDPInitMode.NO_FSDP, CUDAInitMode.CUDA_NEVER
+    )
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+def test_skip_if_lt_x_gpu_runs_on_cpu_and_keeps_the_signature() -> None:
+    @skip_if_lt_x_gpu(8)
+    def body(self: object, device: str) -> str:
+        return device
+
+    assert list(inspect.signature(body).parameters) == ["self", "device"]
+    if not torch.cuda.is_available():
+        assert body(None, "cpu") == "cpu"
+    assert TEST_SKIPS["multi-gpu-2"].message == "Need at least 2 CUDA devices"
