@@ -500,10 +500,12 @@ class FlatParamHandle:
         self.storage.writeback_unsharded()
 
     def load_local_shard(self, tensor: Tensor) -> None:
-        """A saved local shard (LOCAL_STATE_DICT) becomes this rank's shard."""
+        """A saved local shard (LOCAL_STATE_DICT) becomes this rank's shard; an
+        unsharded copy kept since forward is stale afterwards and is freed."""
         self.storage.load_local_shard(tensor)
-        if self._use_orig_params:
-            self.views.show_resharded(self.flat_param._local_shard)
+        if not self.is_unsharded():
+            self.storage.free_unsharded()
+        self.views.show_resharded(self.flat_param._local_shard)
 
     def show_resharded_params(self) -> None:
         self.views.show_resharded(self.flat_param._local_shard)

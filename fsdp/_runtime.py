@@ -239,6 +239,7 @@ class FSDPState:
     sync_gradients: bool
     state_dict_settings: StateDictSettings
     registers_flat_param: bool
+    device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
     comm_hook: CommHook | None  # see [Note: Communication hooks]
     comm_hook_state: object
 
@@ -271,6 +272,7 @@ class FSDPState:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         self.registers_flat_param = True
+        self.device_mesh = None
         self.comm_hook = None
         self.comm_hook_state = None
         _registry.register(module, self)
@@ -336,6 +338,7 @@ class FSDPState:
             buffer = module._buffers[name]
             if buffer is not None:
                 self.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
+        self._cast_buffers(full_precision=False)
 
     def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
         device = handle.flat_param.device
@@ -356,8 +359,9 @@ class FSDPState:
         """Eval mode with ``FSDP_USE_FULL_PREC_IN_EVAL=1`` computes in full precision."""
         return self.config.env.use_full_prec_in_eval and not self.module.training
 
-    def _cast_buffers(self) -> None:
-        """Buffers live in ``buffer_dtype`` (full precision in eval when asked)."""
+    def _cast_buffers(self, full_precision: bool) -> None:
+        """Buffers live in ``buffer_dtype`` from lazy initialisation on, as in torch
+        (in their original dtype where ``full_precision``)."""
         target = self.config.mixed_precision.buffer_dtype
         for module, name in self.buffers:
             buffer = module._buffers[name]
@@ -366,7 +370,7 @@ class FSDPState:
             dtype = buffer.dtype
             if torch.is_floating_point(buffer):
                 orig = self.orig_buffer_dtypes.get((id(module), name), buffer.dtype)
-                dtype = orig if target is None or self.full_precision_now() else target
+                dtype = orig if target is None or full_precision else target
             if buffer.dtype != dtype or buffer.device != self.compute_device:
                 buffer.data = buffer.to(device=self.compute_device, dtype=dtype)
 
@@ -382,7 +386,7 @@ class FSDPState:
             context.streams.unshard_waits_for_compute()
             context.exec_order.begin_root_forward()
             for state in context.states:
-                state._cast_buffers()
+                state._cast_buffers(state.full_precision_now())
                 if state.handle is not None:
                     state.handle.sync_requires_grad()
                 if self.config.forward_prefetch and state.handle is not None:

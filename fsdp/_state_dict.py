@@ -1,163 +1,286 @@
 """State dicts of FSDP units: hooks that make ``state_dict()`` / ``load_state_dict()``
-speak the unwrapped module's names.
+speak the unwrapped module's names, with torch's value types.
 
 [Note: State dicts through module hooks]
 ``nn.Module.state_dict`` recurses through children, calling each module's hooks,
 so each unit registers four hooks and handles its own keys; nested units do the
-same for theirs while the enclosing unit is unsharded, and every key is cleaned
-exactly once. Keys lose the wrapper prefix (``_fsdp_wrapped_module.``); buffers
-are saved in their original dtype (they may live in ``buffer_dtype``).
+same for theirs while the enclosing unit is unsharded. Keys lose the wrapper
+prefix (``_fsdp_wrapped_module.``; activation checkpointing's is dropped by its
+own wrapper, or by ``clean_tensor_name``). Load hooks put the prefix back, and
+the missing and unexpected keys that ``load_state_dict`` reports are clean.
+A unit's parameter keys come from its flat parameter's records (every name of
+a shared parameter included), so only the unit's own parameters are touched:
+parameters of ignored modules, or added after wrapping, pass through as the
+module saves them (not copied).
 
-- ``FULL_STATE_DICT``: save unshards in full precision and exposes the original
-  parameters, so the module saves them; entries are cloned (their storage is
-  freed right after). ``rank0_only`` leaves other ranks' dicts empty,
-  ``offload_to_cpu`` returns CPU tensors. Load unshards, lets the module copy
-  into the exposed parameters, then writes each rank's part back into its shard.
-- ``SHARDED_STATE_DICT``: like full, but each parameter is saved as a
-  ``DTensor`` sharded on dim 0 over the unit's process group (``torch.chunk``
-  layout), holding only this rank's rows. Loading gathers the rows back.
-- ``LOCAL_STATE_DICT``: the unit's flat shard itself under ``_flat_param``
-  (padded, full precision), with no communication; loads only into the same
-  world size and wrapping.
+[Note: The three state-dict types]
+- ``FULL_STATE_DICT``: save unshards the unit (summon, full precision) and
+  clones each original parameter, since the unsharded storage is freed right
+  after. ``rank0_only``: other ranks take part in the all-gather, then drop the
+  unit's parameters and buffers. ``offload_to_cpu``: CPU tensors. Load
+  unshards, lets the module copy into the exposed parameters, then writes each
+  rank's part back into its shard.
+- ``SHARDED_STATE_DICT``: like full, but each parameter is a ``ShardedTensor``
+  chunked on dim 0 (``torch.chunk``; rank ``r`` holds chunk ``r`` and, where
+  there are fewer chunks than ranks, nothing), whose metadata every rank builds
+  alone (no communication). With ``_use_dtensor`` or a ``device_mesh`` the value
+  is a ``DTensor`` sharded on the mesh's last dimension instead. Load gathers
+  each parameter (``full_tensor``: padded rows through ``fsdp._comm``, over the
+  group the value is chunked over, so also from another wrapping; a
+  ``DTensor``'s own ``full_tensor`` would bypass the seam and keep its group
+  referenced), every rank in the same order, then loads it as full. A 0-dim
+  parameter cannot be chunked and stays a plain tensor.
+- ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
+  ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
+  that holds only padding has no local shard), so it survives ``torch.save``
+  and a gather plus re-chunk loads it into another world size. Load takes only
+  a ``ShardedTensor`` and pads the local shard back. Everything else is what
+  the module saves and loads itself, as in torch: buffers as they live (in
+  ``buffer_dtype`` under buffer mixed precision, on the device), and under
+  ``use_orig_params`` the original parameters, which then are views of their
+  parts of the shard. Such a state dict loads through those views, and the
+  flat parameter, which is not registered then, is an unexpected key (torch's
+  behaviour: its local state dicts with ``use_orig_params`` do not load
+  strictly). Unlike torch's, the local shard does not require grad (torch's is
+  a view of the flat parameter created under ``no_grad``, which a gloo gather
+  in grad mode refuses).
+
+[Note: Buffers in full and sharded state dicts]
+As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
+the CPU; a unit with buffer mixed precision saves every buffer of its subtree
+that some unit manages (ignored ones excepted) as a copy in its original dtype
+(buffers live in ``buffer_dtype`` from lazy initialisation on). Otherwise the
+entries are the module's own tensors. Names come from ``named_buffers()``: the
+second name of a module registered twice is left as the module saves it.
+
+[Note: NO_SHARD units save full state dicts]
+As in torch, a ``NO_SHARD`` unit (also a sharded strategy at world size 1,
+which becomes ``NO_SHARD``) saves and loads ``FULL_STATE_DICT`` with the
+default config, whatever type and config are set, and warns that it does so on
+every save and load: there is nothing to shard, and ``rank0_only`` /
+``offload_to_cpu`` do not apply.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from typing import Any
+import warnings
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp import _comm
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_tensor_name
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name
 from fsdp._runtime import FSDPState
-from fsdp._unshard_params import SummonedUnit, ensure_initialized
+from fsdp._unshard_params import SummonedUnit, ensure_initialized, validate_unshard
 from fsdp._utils import _replace_by_prefix
-from fsdp.api import FullStateDictConfig, StateDictType
+from fsdp.api import (
+    FullStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
+
+_NO_SHARD_WARNING = (
+    "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+)
 
 
-def _clean_key(prefix: str, names: dict[int, str], module: nn.Module, name: str) -> str | None:
-    path = names.get(id(module))
-    if path is None:
-        return None
-    return prefix + clean_tensor_name(f"{path}.{name}".lstrip("."))
+class _Settings(NamedTuple):
+    """The type and config a unit's hooks apply (see [Note: NO_SHARD units save
+    full state dicts])."""
+
+    kind: StateDictType
+    config: StateDictConfig
+
+    @classmethod
+    def of(cls, state: FSDPState) -> _Settings:
+        if state.config.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            return cls(state.state_dict_type, state.state_dict_config)
+        warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
+        return cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
+
+    @property
+    def rank0_only(self) -> bool:
+        return isinstance(self.config, FullStateDictConfig) and self.config.rank0_only
+
+
+def _key(prefix: str, module_name: str, name: str) -> str:
+    return prefix + clean_tensor_name(f"{module_name}.{name}".lstrip("."))
 
 
 class _UnitKeys:
-    """The clean state-dict keys of one unit's parameters and buffers."""
+    """The clean state-dict keys of one unit's parameters (every name of a
+    shared one, in flat order) and of the buffers in its subtree (see [Note:
+    Buffers in full and sharded state dicts])."""
 
-    params: dict[str, int]  # key -> index of the parameter in the flat parameter
-    buffer_dtypes: dict[str, torch.dtype]
+    params: list[str]
+    buffers: list[str]
+    buffer_dtypes: dict[str, torch.dtype]  # managed buffers: their original dtype
 
     def __init__(self, state: FSDPState, prefix: str) -> None:
-        names = {id(m): n for n, m in state.module.named_modules(remove_duplicate=False)}
-        self.params = {}
-        if state.handle is not None:
-            for i, info in enumerate(state.handle.param_infos()):
-                key = _clean_key(prefix, names, info.module, info.param_name)
-                if key is not None:
-                    self.params[key] = i
+        handle = state.handle
+        infos = [] if handle is None else [*handle.param_infos(), *handle.shared_param_infos()]
+        self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        orig_dtypes: dict[tuple[int, str], torch.dtype] = {}
+        for unit in state.subtree_states():
+            orig_dtypes.update(unit.orig_buffer_dtypes)
+        self.buffers = []
         self.buffer_dtypes = {}
-        for module, name in state.buffers:
-            dtype = state.orig_buffer_dtypes.get((id(module), name))
-            key = _clean_key(prefix, names, module, name)
-            if dtype is not None and key is not None:
-                self.buffer_dtypes[key] = dtype
+        seen: set[int] = set()  # named_buffers(): a buffer once, under its first name
+        for path, module in state.module.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if id(buffer) in seen:
+                    continue
+                seen.add(id(buffer))
+                key = _key(prefix, path, name)
+                self.buffers.append(key)
+                dtype = orig_dtypes.get((id(module), name))
+                if dtype is not None:
+                    self.buffer_dtypes[key] = dtype
 
 
-def _clean_entries(state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """Drops the wrapper prefix from the keys under ``prefix``; returns them."""
-    keys = []
+def _is_wrapper(state: FSDPState) -> bool:
+    return FSDP_WRAPPED_MODULE in state.module._modules
+
+
+def _strip_wrapper_prefix(state_dict: dict[str, Any], prefix: str) -> None:
+    """Drops the wrapper prefixes from the keys under ``prefix``."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        value = state_dict.pop(key)
         clean = prefix + clean_tensor_name(key[len(prefix) :])
-        state_dict[clean] = value
-        keys.append(clean)
-    return keys
+        if clean != key:
+            state_dict[clean] = state_dict.pop(key)
 
 
-def _prefix_entries(state_dict: dict[str, Any], prefix: str) -> None:
-    """Inserts the wrapper prefix into the keys under ``prefix``."""
-    _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
+def _insert_wrapper_prefix(state: FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Inserts the wrapper prefix into the keys under ``prefix`` (wrappers only)."""
+    if _is_wrapper(state):
+        _replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
 
 
-def _saved(value: Tensor, dtype: torch.dtype | None, offload_to_cpu: bool) -> Tensor:
-    value = value.detach().clone() if dtype is None else value.detach().to(dtype, copy=True)
-    return value.cpu() if offload_to_cpu else value
+def _save_buffers(
+    state: FSDPState, keys: _UnitKeys, state_dict: dict[str, Any], offload_to_cpu: bool
+) -> None:
+    """See [Note: Buffers in full and sharded state dicts]."""
+    casts = state.config.mixed_precision.buffer_dtype is not None
+    for key in keys.buffers:
+        value = state_dict.get(key)
+        if not isinstance(value, Tensor):
+            continue
+        if offload_to_cpu and value.device.type != "cpu":
+            value = value.cpu()
+        dtype = keys.buffer_dtypes.get(key)
+        if casts and dtype is not None:
+            value = value.to(dtype, copy=True)
+        state_dict[key] = value
 
 
-class _FullStateDict:
-    """Save and load through the exposed full parameters (one unit at a time)."""
-
-    def pre_save(self, unit: SummonedUnit) -> None:
-        unit.enter()
-
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
-        config = state.state_dict_config
-        assert isinstance(config, FullStateDictConfig)
-        keys = _UnitKeys(state, prefix)
-        state_dict.pop(prefix + FLAT_PARAM, None)
-        for key in _clean_entries(state_dict, prefix):
-            if config.rank0_only and state.rank != 0:
-                del state_dict[key]
-            elif isinstance(state_dict[key], Tensor):
-                state_dict[key] = _saved(
-                    state_dict[key], keys.buffer_dtypes.get(key), config.offload_to_cpu
-                )
-        unit.exit(writeback=False)
-
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        unit.enter()
-        _prefix_entries(state_dict, prefix)
-
-    def post_load(self, unit: SummonedUnit) -> None:
-        unit.exit(writeback=True)
+def _drop_unit_entries(keys: _UnitKeys, state_dict: dict[str, Any], prefix: str) -> None:
+    """``rank0_only`` on other ranks: the unit's parameters and buffers go."""
+    for key in (*keys.params, *keys.buffers, prefix + FLAT_PARAM):
+        state_dict.pop(key, None)
 
 
-class _ShardedStateDict(_FullStateDict):
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
-        keys = _UnitKeys(state, prefix)
-        state_dict.pop(prefix + FLAT_PARAM, None)
-        offload = state.state_dict_config.offload_to_cpu
-        for key in _clean_entries(state_dict, prefix):
-            value = state_dict[key]
-            if key in keys.params:
-                state_dict[key] = _row_shard(value, state, offload)
-            elif isinstance(value, Tensor):
-                state_dict[key] = _saved(value, keys.buffer_dtypes.get(key), offload)
-        unit.exit(writeback=False)
-
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        # Every rank gathers the same parameters in the same (flat) order.
-        keys = _UnitKeys(unit.state, prefix)
-        for key in sorted(keys.params, key=keys.params.__getitem__):
-            value = state_dict.get(key)
-            if isinstance(value, (ShardedTensor, DTensor)):
-                state_dict[key] = full_tensor(value, unit.state.compute_device)
-        super().pre_load(unit, state_dict, prefix)
+def _check_saved(key: str, state_dict: dict[str, Any], state: FSDPState) -> None:
+    if key not in state_dict:
+        raise AssertionError(
+            f"FSDP assumes {key} is in the state_dict but the state_dict only has "
+            f"{state_dict.keys()}. rank={state.rank}."
+        )
 
 
-def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> Tensor:
-    """This rank's rows of ``value`` as a DTensor sharded on dim 0."""
+# -- sharded tensors ---------------------------------------------------------------------------
+
+
+def _placement(global_rank: int, device: torch.device, own: bool) -> str:
+    if device.type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    if own:
+        return f"rank:{global_rank}/{device}"
+    count = torch.get_device_module(device.type).device_count()
+    return f"rank:{global_rank}/{device.type}:{global_rank % max(count, 1)}"
+
+
+def _sharded_tensor(
+    local: Tensor | None,
+    rank: int,
+    pieces: list[tuple[list[int], list[int]]],
+    size: torch.Size,
+    like: Tensor,
+    state: FSDPState,
+) -> ShardedTensor:
+    """A ``ShardedTensor`` of global ``size`` whose rank ``i`` holds the piece
+    ``pieces[i]`` (offsets, sizes; an empty piece: nothing), built without
+    communication; ``local`` is this rank's piece."""
+    global_ranks = _comm.group_ranks(state.process_group)
+    device = like.device
+    metadata = [
+        ShardMetadata(offsets, sizes, _placement(global_ranks[i], device, i == rank))
+        for i, (offsets, sizes) in enumerate(pieces)
+        if math.prod(sizes) > 0
+    ]
+    properties = TensorProperties(
+        dtype=like.dtype,
+        layout=like.layout,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    own = ShardMetadata(*pieces[rank], _placement(global_ranks[rank], device, True))
+    shards = [] if local is None or local.numel() == 0 else [Shard(local, own)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards,
+        sharded_tensor_metadata=ShardedTensorMetadata(metadata, size, properties),
+        process_group=state.process_group,
+    )
+
+
+def _chunked(full: Tensor, state: FSDPState) -> ShardedTensor:
+    """``full`` chunked on dim 0 over the unit's group; this rank keeps a copy of its chunk."""
+    chunks = torch.chunk(full, state.world_size, dim=0)
+    starts = itertools.accumulate((c.size(0) for c in chunks), initial=0)
+    pieces = [
+        ([start] + [0] * (full.dim() - 1), list(c.size())) for start, c in zip(starts, chunks)
+    ]
+    empty = ([0] * full.dim(), [0] * full.dim())
+    pieces += [empty] * (state.world_size - len(chunks))
+    local = chunks[state.rank].clone() if state.rank < len(chunks) else None
+    return _sharded_tensor(local, state.rank, pieces, full.size(), full, state)
+
+
+def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> DTensor:
+    """This rank's rows of ``value`` as a ``DTensor`` sharded on dim 0 over the
+    unit's mesh (the constructor's, or one over its process group; replicated
+    over the other dimensions); a 0-dim ``value`` is replicated."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Shard as DShard
 
-    mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
+    mesh = state.device_mesh
+    if mesh is None:
+        mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
     full = value.detach()
     if full.dim() == 0:
-        return DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
+        local = full.cpu() if offload_to_cpu else full.clone()
+        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    placements = [Replicate() for _ in range(mesh.ndim - 1)] + [DShard(0)]
     chunks = torch.chunk(full, state.world_size, dim=0)
     local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
-    local = local.clone()
-    local = local.cpu() if offload_to_cpu else local
+    local = local.cpu() if offload_to_cpu else local.clone()
     return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
 
 
@@ -174,6 +297,8 @@ def full_tensor(value: Tensor, device: torch.device) -> Tensor:
     else:
         assert isinstance(value, ShardedTensor)
         shards = value.local_shards()
+        if len(shards) > 1:
+            raise AssertionError(f"Expects 0 or 1 shard per rank but got {len(shards)} shards.")
         group, local = value._process_group, shards[0].tensor if shards else None
     shape = value.shape
     rows = math.ceil(shape[0] / group.size())
@@ -185,35 +310,198 @@ def full_tensor(value: Tensor, device: torch.device) -> Tensor:
     return full[: shape.numel()].view(shape)
 
 
-class _LocalStateDict:
-    def pre_save(self, unit: SummonedUnit) -> None:
+def _valid_numel(state: FSDPState, rank: int) -> int:
+    """How much of ``rank``'s flat shard is data (the rest is padding)."""
+    handle = state.handle
+    assert handle is not None
+    numel = handle.shard_numel
+    return max(0, min(numel, handle.unpadded_numel - rank * numel))
+
+
+def _flat_shard(state: FSDPState) -> ShardedTensor:
+    """The local flat shard without padding, as a piece of the unpadded flat parameter."""
+    handle = state.handle
+    assert handle is not None
+    numel = handle.shard_numel
+    shard = handle.flat_param._local_shard
+    pieces = [([r * numel], [_valid_numel(state, r)]) for r in range(state.world_size)]
+    local = shard[: _valid_numel(state, state.rank)]
+    size = torch.Size([handle.unpadded_numel])
+    return _sharded_tensor(local, state.rank, pieces, size, shard, state)
+
+
+def _local_shard_to_load(value: ShardedTensor, state: FSDPState) -> Tensor:
+    """The saved local flat shard, padded back to this rank's shard size (a
+    rank that holds only padding keeps its shard)."""
+    handle = state.handle
+    assert handle is not None
+    if _valid_numel(state, state.rank) == 0:
+        return handle.flat_param._local_shard
+    shards = value.local_shards()
+    if not shards:
+        raise AssertionError("load_local_state_dict assume one shard per ShardedTensor.")
+    tensor = shards[0].tensor.flatten()
+    if tensor.numel() > handle.shard_numel:
+        raise AssertionError(
+            f"Local shard size = {handle.shard_numel} and the tensor in the state_dict is "
+            f"{tensor.numel()}."
+        )
+    return F.pad(tensor, [0, handle.shard_numel - tensor.numel()])
+
+
+# -- the three types ---------------------------------------------------------------------------
+
+
+class _Kind:
+    """What the hooks of one state-dict type do; a pre-hook may return the unit
+    it summoned, which its post-hook receives."""
+
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        return None
+
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        raise NotImplementedError
+
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        raise NotImplementedError
+
+    def post_load(self, unit: SummonedUnit | None) -> None:
         pass
 
-    def post_save(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        state = unit.state
+
+class _FullStateDict(_Kind):
+    """Save and load through the exposed full parameters (one unit at a time)."""
+
+    def summoned(self, state: FSDPState, settings: _Settings) -> SummonedUnit:
+        return SummonedUnit(state, settings.rank0_only, settings.config.offload_to_cpu)
+
+    def save_param(self, value: Tensor, state: FSDPState, config: StateDictConfig) -> Tensor:
+        return value.detach().clone()
+
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        unit = self.summoned(state, settings)
+        validate_unshard([state], False, unit.rank0_only, unit.offload_to_cpu, False)
+        unit.enter()
+        return unit
+
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        assert unit is not None
+        _strip_wrapper_prefix(state_dict, prefix)
         keys = _UnitKeys(state, prefix)
-        offload = state.state_dict_config.offload_to_cpu
-        for key in _clean_entries(state_dict, prefix):
-            if key in keys.params:
-                del state_dict[key]  # original parameters (views) are not local state
-            elif isinstance(state_dict[key], Tensor):
-                state_dict[key] = _saved(state_dict[key], keys.buffer_dtypes.get(key), offload)
+        try:
+            if settings.rank0_only and state.rank != 0:
+                _drop_unit_entries(keys, state_dict, prefix)
+                return
+            state_dict.pop(prefix + FLAT_PARAM, None)
+            for key in keys.params:
+                _check_saved(key, state_dict, state)
+                state_dict[key] = self.save_param(state_dict[key], state, settings.config)
+        finally:
+            unit.exit(writeback=False)
+        _save_buffers(state, keys, state_dict, settings.config.offload_to_cpu)
+
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        unit = SummonedUnit(state)
+        unit.enter()
+        _insert_wrapper_prefix(state, state_dict, prefix)
+        return unit
+
+    def post_load(self, unit: SummonedUnit | None) -> None:
+        assert unit is not None
+        unit.exit(writeback=True)
+
+
+class _ShardedStateDict(_FullStateDict):
+    def summoned(self, state: FSDPState, settings: _Settings) -> SummonedUnit:
+        return SummonedUnit(state)  # chunked first, offloaded after
+
+    def save_param(self, value: Tensor, state: FSDPState, config: StateDictConfig) -> Tensor:
+        assert isinstance(config, ShardedStateDictConfig)
+        value = value.detach()
+        offload = config.offload_to_cpu
+        if value.dim() == 0:
+            return value.cpu() if offload else value.clone()
+        if config._use_dtensor or state.device_mesh is not None:
+            return _row_shard(value, state, offload)
+        sharded = _chunked(value, state)
+        return sharded.cpu() if offload else sharded
+
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        # Every rank gathers the same parameters in the same (flat) order.
+        for key in _UnitKeys(state, prefix).params:
+            value = state_dict.get(key)
+            if isinstance(value, (ShardedTensor, DTensor)):
+                state_dict[key] = full_tensor(value, state.compute_device)
+        return super().pre_load(state, state_dict, prefix)
+
+
+class _LocalStateDict(_Kind):
+    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
+        if state.device_mesh is not None:
+            raise RuntimeError(
+                "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
+                "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT to get "
+                "DTensor state_dict."
+            )
+        return None
+
+    def post_save(
+        self,
+        state: FSDPState,
+        unit: SummonedUnit | None,
+        settings: _Settings,
+        state_dict: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        _strip_wrapper_prefix(state_dict, prefix)
         if state.handle is not None:
-            shard = state.handle.flat_param._local_shard
-            state_dict[prefix + FLAT_PARAM] = _saved(shard, None, offload)
+            value = _flat_shard(state)
+            state_dict[prefix + FLAT_PARAM] = (
+                value.cpu() if settings.config.offload_to_cpu else value
+            )
 
-    def pre_load(self, unit: SummonedUnit, state_dict: dict[str, Any], prefix: str) -> None:
-        handle = unit.state.handle
+    def pre_load(
+        self, state: FSDPState, state_dict: dict[str, Any], prefix: str
+    ) -> SummonedUnit | None:
+        handle = state.handle
         key = prefix + FLAT_PARAM
-        if handle is not None and key in state_dict:
-            handle.load_local_shard(state_dict.pop(key))
-        _prefix_entries(state_dict, prefix)
+        if handle is not None:
+            if key not in state_dict:
+                raise AssertionError(
+                    "No `FlatParameter` in `state_dict` for this FSDP instance but it has "
+                    "parameters"
+                )
+            if not isinstance(state_dict[key], ShardedTensor):
+                raise AssertionError("Tensors in local_state_dict should be ShardedTensor.")
+            tensor = _local_shard_to_load(state_dict[key], state)  # checked in any case
+            if not state.config.use_orig_params:  # else: an unexpected key
+                handle.load_local_shard(tensor)
+                del state_dict[key]
+        _insert_wrapper_prefix(state, state_dict, prefix)
+        return None
 
-    def post_load(self, unit: SummonedUnit) -> None:
-        pass
 
-
-_KINDS: dict[StateDictType, Any] = {
+_KINDS: dict[StateDictType, _Kind] = {
     StateDictType.FULL_STATE_DICT: _FullStateDict(),
     StateDictType.SHARDED_STATE_DICT: _ShardedStateDict(),
     StateDictType.LOCAL_STATE_DICT: _LocalStateDict(),
@@ -226,11 +514,13 @@ class StateDictHooks:
 
     state: FSDPState
     _load_prefix: str
-    _unit: SummonedUnit | None  # between a pre-hook and its post-hook
+    _settings: _Settings | None  # between a pre-hook and its post-hook
+    _unit: SummonedUnit | None  # likewise, when the pre-hook summoned the unit
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
         self._load_prefix = ""
+        self._settings = None
         self._unit = None
 
     def register(self, module: nn.Module) -> None:
@@ -240,21 +530,31 @@ class StateDictHooks:
         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.pre_load, self))
         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.post_load, self))
 
-    def _kind(self) -> Any:
-        return _KINDS[self.state.state_dict_type]
-
-    def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    def _begin(self, module: nn.Module) -> _Kind:
         ensure_initialized(module)
-        self._unit = SummonedUnit(self.state)
-        self._kind().pre_save(self._unit)
+        self._settings = _Settings.of(self.state)
+        return _KINDS[self._settings.kind]
 
+    def _end(self) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+        settings, unit = self._settings, self._unit
+        assert settings is not None, "state-dict post-hook without its pre-hook"
+        self._settings, self._unit = None, None
+        return _KINDS[settings.kind], settings, unit
+
+    @torch.no_grad()
+    def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        kind = self._begin(module)
+        assert self._settings is not None
+        self._unit = kind.pre_save(self.state, self._settings)
+
+    @torch.no_grad()
     def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        unit, self._unit = self._unit, None
-        assert unit is not None, "state_dict post-hook without its pre-hook"
-        self._kind().post_save(unit, state_dict, prefix)
+        kind, settings, unit = self._end()
+        kind.post_save(self.state, unit, settings, state_dict, prefix)
 
+    @torch.no_grad()
     def pre_load(
         self,
         module: nn.Module,
@@ -266,26 +566,17 @@ class StateDictHooks:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        ensure_initialized(module)
+        kind = self._begin(module)
         self._load_prefix = prefix
-        self._unit = SummonedUnit(self.state)
-        self._kind().pre_load(self._unit, state_dict, prefix)
+        self._unit = kind.pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        prefix = self._load_prefix
-        unit_keys: set[str] = set()
-        if self.state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            params = _UnitKeys(self.state, prefix).params
-            unit_keys = {_with_wrapper_prefix(k, prefix) for k in params}
-        incompatible_keys.missing_keys[:] = [
-            k
-            for k in incompatible_keys.missing_keys
-            if k != prefix + FLAT_PARAM and k not in unit_keys
+        kind, _, unit = self._end()
+        kind.post_load(unit)
+        # A local state dict's flat shard was loaded (and removed) by the pre-hook.
+        loaded = clean_tensor_name(self._load_prefix + FLAT_PARAM)
+        missing = [clean_tensor_name(k) for k in incompatible_keys.missing_keys]
+        incompatible_keys.missing_keys[:] = [k for k in missing if k != loaded]
+        incompatible_keys.unexpected_keys[:] = [
+            clean_tensor_name(k) for k in incompatible_keys.unexpected_keys
         ]
-        unit, self._unit = self._unit, None
-        assert unit is not None, "load_state_dict post-hook without its pre-hook"
-        self._kind().post_load(unit)
-
-
-def _with_wrapper_prefix(key: str, prefix: str) -> str:
-    return prefix + FSDP_PREFIX + key[len(prefix) :]

@@ -60,13 +60,15 @@ def ensure_initialized(module: nn.Module) -> None:
             state.lazy_init()
 
 
-def _validate(
+def validate_unshard(
     states: list[FSDPState],
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> None:
+    """Torch's checks of the unshard arguments (``summon_full_params`` and the
+    full and sharded state dicts, which unshard the same way)."""
     for state in states:
         if state.training_state is TrainingState.FORWARD_BACKWARD:
             raise AssertionError("Cannot manually unshard parameters during forward/backward")
@@ -107,7 +109,7 @@ def summon_full_params(
         for s in states_in(module, recurse)
         if s.training_state is not TrainingState.SUMMON_FULL_PARAMS
     ]
-    _validate(states, writeback, rank0_only, offload_to_cpu, with_grads)
+    validate_unshard(states, writeback, rank0_only, offload_to_cpu, with_grads)
     entered: list[SummonedUnit] = []
     try:
         for state in states:

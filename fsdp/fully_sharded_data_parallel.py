@@ -106,6 +106,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         self._fsdp_wrapped_module = module
         self._state = build_unit(self, module, args, ignored, groups)
+        self._state.device_mesh = device_mesh
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -190,6 +191,14 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def _is_root(self) -> bool | None:
         return self._state.is_root
+
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return self._state.state_dict_type
+
+    @property
+    def _state_dict_config(self) -> StateDictConfig:
+        return self._state.state_dict_config
 
     @property
     def training_state(self) -> TrainingState:

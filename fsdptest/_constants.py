@@ -11,3 +11,10 @@ TORCH_CPU_OFFLOAD_SKIP = (
 
 # What torch's FSDP raises when asked to offload parameters without an accelerator.
 TORCH_CPU_OFFLOAD_ERROR = "Cannot access accelerator device when none is available"
+
+CPU_OFFLOAD_ASSERTED_MARKER = "torch_cpu_offload_asserted"
+CPU_OFFLOAD_ASSERTED_HELP = (
+    f"{CPU_OFFLOAD_ASSERTED_MARKER}: under --fsdp-impl torch on CPU, the test asserts torch's "
+    "failure to offload parameters itself (fsdptest.api.assert_torch_refuses_cpu_offload) "
+    "instead of being skipped"
+)

@@ -224,6 +224,7 @@ class Seams:
 if IMPL == "torch":
     import torch.distributed.fsdp as _torch_fsdp
     from torch.distributed.fsdp._common_utils import (
+        FSDP_PREFIX,
         _get_handle_fqns_from_root,
         clean_tensor_name,
     )
@@ -296,6 +297,7 @@ elif IMPL == "local":
         _FSDP_USE_FULL_PREC_IN_EVAL,
         _FSDP_USE_UNSAFE_SETATTR,
         FLAT_PARAM,
+        FSDP_PREFIX,
         HYBRID_SHARDING_STRATEGIES,
         NO_RESHARD_AFTER_FORWARD_STRATEGIES,
         HandleTrainingState,
@@ -386,6 +388,7 @@ else:
     _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
     _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
     FLAT_PARAM = "_flat_param"
+    FSDP_PREFIX = "_fsdp_wrapped_module."
     HYBRID_SHARDING_STRATEGIES = tuple(
         getattr(ShardingStrategy, name)
         for name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -439,6 +442,7 @@ def assert_torch_refuses_cpu_offload(
 
 __all__ = [
     "FLAT_PARAM",
+    "FSDP_PREFIX",
     "HOMOGENEOUS_ATTR_NAMES",
     "HYBRID_SHARDING_STRATEGIES",
     "_FSDP_USE_UNSAFE_SETATTR",

@@ -7,7 +7,9 @@ entry point or a module path; see ``fsdptest.implementations``), resolves it onc
 ranks (``FSDP_HARNESS_IMPL``, read by ``fsdptest.api`` when first imported; the
 ranks inherit the environment), asks the ranks to restore the FSDP packages
 after every test, and skips, before any rank starts, configurations torch's
-FSDP cannot run on CPU-only machines. For the property search
+FSDP cannot run on CPU-only machines (except in tests marked
+``torch_cpu_offload_asserted``, which assert that failure themselves:
+``fsdptest.api.assert_torch_refuses_cpu_offload``). For the property search
 (``fsdptest.properties``) it registers and loads the hypothesis profiles and
 gives the ``property_search`` and ``replayed_example`` fixtures.
 """
@@ -19,7 +21,12 @@ import os
 import pytest
 from hypothesis import settings
 
-from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_SKIP
+from fsdptest._constants import (
+    CPU_OFFLOAD_ASSERTED_HELP,
+    CPU_OFFLOAD_ASSERTED_MARKER,
+    IMPL_ENV,
+    TORCH_CPU_OFFLOAD_SKIP,
+)
 from fsdptest.implementations import (
     ENTRY_POINT_GROUP,
     Implementation,
@@ -64,6 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except UnknownImplementation as error:
         raise pytest.UsageError(str(error)) from None
     os.environ[IMPL_ENV] = name
+    config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
     register_profiles()
     settings.load_profile(chosen_profile(config.getoption("hypothesis_profile", None)))
 
@@ -100,6 +108,8 @@ def pytest_harness_skip_reason(item: pytest.Item, placement: Placement) -> str |
     """Torch's FSDP cannot offload parameters on a CPU-only run: such cases are
     skipped here, before any rank starts, when the parametrization says so."""
     if item.config.stash[impl_key].kind != "torch" or placement.device_type != "cpu":
+        return None
+    if item.get_closest_marker(CPU_OFFLOAD_ASSERTED_MARKER) is not None:
         return None
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec is not None else {}
