@@ -40,7 +40,7 @@ from fsdptest.properties.examples import Example
 from fsdptest.properties.strategies import Target
 from harness.rank_calls import CallOutcome, RankCalls
 
-CI_EXAMPLES = 60
+CI_EXAMPLES = 40
 DEEP_EXAMPLES = 2000
 EXAMPLE_TIMEOUT_S = 60.0
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
