@@ -42,6 +42,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run test_replay_example of a property suite with the example of this "
         "replay id (a property failure prints the command), without hypothesis.",
     )
+    group.addoption(
+        "--property-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="examples per property test, instead of the hypothesis profile's "
+        "(ci: 40, deep: 2000); e.g. to bound a deep run's time.",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -49,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Runs before hypothesis's own ``pytest_configure``, which then applies its
     ``--hypothesis-*`` options on top of the profile loaded here."""
     os.environ[IMPL_ENV] = config.getoption("fsdp_impl")
-    register_profiles()
+    register_profiles(config.getoption("property_examples"))
     settings.load_profile(chosen_profile(config.getoption("hypothesis_profile", None)))
 
 

@@ -26,6 +26,7 @@ from each test's own code, so every run draws the same examples) with
 hypothesis database (``.hypothesis/`` in the directory pytest runs from),
 which replays them first on the next run. Choose with hypothesis's own
 ``--hypothesis-profile deep`` or ``HYPOTHESIS_PROFILE=deep``; the option wins.
+``--property-examples N`` replaces either profile's count (to bound a run's time).
 A failure's report also prints a replay id: ``--replay-example ID`` runs that
 one example again (``test_replay_example``), without hypothesis.
 """
@@ -51,11 +52,11 @@ _SLOW_IS_EXPECTED = [HealthCheck.too_slow, HealthCheck.data_too_large]
 _PHASES = [p for p in Phase if p is not Phase.explain]
 
 
-def register_profiles() -> None:
-    """See [Note: Budgets]."""
+def register_profiles(max_examples: int | None = None) -> None:
+    """See [Note: Budgets]; ``max_examples`` replaces both profiles' counts."""
     settings.register_profile(
         "ci",
-        max_examples=CI_EXAMPLES,
+        max_examples=max_examples or CI_EXAMPLES,
         derandomize=True,
         database=None,
         deadline=None,
@@ -65,7 +66,7 @@ def register_profiles() -> None:
     )
     settings.register_profile(
         "deep",
-        max_examples=DEEP_EXAMPLES,
+        max_examples=max_examples or DEEP_EXAMPLES,
         derandomize=False,
         deadline=None,
         print_blob=True,
