@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, Phase, settings
 from fsdptest.properties.examples import Example
 from fsdptest.properties.strategies import Target
 from harness.rank_calls import CallOutcome, RankCalls
+from harness.testcase import DistributedTest
 
 CI_EXAMPLES = 40
 DEEP_EXAMPLES = 2000
@@ -102,14 +103,11 @@ class PropertySearch:
         device_type = self.calls.device_type(world_size) or "cpu"
         return Target(self.impl, device_type, world_size)
 
-    def check(self, method: object, example: Example) -> None:
-        """Runs ``method(example=example)`` on the example's ranks; raises
+    def check(self, ranks: type[DistributedTest], example: Example) -> None:
+        """Runs ``ranks().check(example=example)`` on the example's ranks; raises
         ``ExampleFailed`` unless every rank passed."""
         outcome = self.calls.run(
-            method,  # type: ignore[arg-type]
-            example.world_size,
-            timeout_s=EXAMPLE_TIMEOUT_S,
-            example=example,
+            ranks, "check", example.world_size, timeout_s=EXAMPLE_TIMEOUT_S, example=example
         )
         if not outcome.passed:
             raise ExampleFailed(self.report(example, outcome))
