@@ -39,7 +39,7 @@ cannot do; the suites named here assert each of these limitations:
 - a flat parameter of one element with ``use_orig_params=False``: its shard
   has the unsharded size, so a second synced backward mistakes the reduced
   shard for an unsharded gradient and reduces it again
-  (``suites/test_grad_accumulation.py``, ``TestOneElementFlatParameter``).
+  (``suites/test_property_findings.py``).
   Linear layers of one input and one output get a bias there (every other
   module with parameters has at least two elements);
 - a low-precision gradient of a tied parameter with ``use_orig_params=True``
