@@ -38,12 +38,15 @@ module saves them (not copied).
   the module saves and loads itself, as in torch: buffers as they live (in
   ``buffer_dtype`` under buffer mixed precision, on the device), and under
   ``use_orig_params`` the original parameters, which then are views of their
-  parts of the shard. Such a state dict loads through those views, and the
-  flat parameter, which is not registered then, is an unexpected key (torch's
-  behaviour: its local state dicts with ``use_orig_params`` do not load
-  strictly). Unlike torch's, the local shard does not require grad (torch's is
-  a view of the flat parameter created under ``no_grad``, which a gloo gather
-  in grad mode refuses).
+  parts of the shard (loaded again through those views, with the same values).
+  The flat shard is loaded by the pre-load hook, which removes its key, with or
+  without ``use_orig_params``: torch's FSDP leaves the key in place when the
+  flat parameter is not registered (``use_orig_params=True``), so its own local
+  state dicts then fail a strict load with ``Unexpected key(s) ...
+  "_flat_param"`` (asserted in ``suites/test_state_dict_options.py`` and
+  ``suites/test_property_findings.py``). Unlike torch's, the local shard does
+  not require grad (torch's is a view of the flat parameter created under
+  ``no_grad``, which a gloo gather in grad mode refuses).
 
 [Note: Buffers in full and sharded state dicts]
 As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
@@ -493,10 +496,8 @@ class _LocalStateDict(_Kind):
                 )
             if not isinstance(state_dict[key], ShardedTensor):
                 raise AssertionError("Tensors in local_state_dict should be ShardedTensor.")
-            tensor = _local_shard_to_load(state_dict[key], state)  # checked in any case
-            if not state.config.use_orig_params:  # else: an unexpected key
-                handle.load_local_shard(tensor)
-                del state_dict[key]
+            handle.load_local_shard(_local_shard_to_load(state_dict[key], state))
+            del state_dict[key]
         _insert_wrapper_prefix(state, state_dict, prefix)
         return None
 

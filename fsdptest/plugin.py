@@ -58,6 +58,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run test_replay_example of a property suite with the example of this "
         "replay id (a property failure prints the command), without hypothesis.",
     )
+    group.addoption(
+        "--property-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="examples per property test, instead of the hypothesis profile's "
+        "(ci: 40, deep: 2000); e.g. to bound a deep run's time.",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before the runner's, which asks for the isolated modules
@@ -72,7 +80,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(error)) from None
     os.environ[IMPL_ENV] = name
     config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
-    register_profiles()
+    register_profiles(config.getoption("property_examples"))
     settings.load_profile(chosen_profile(config.getoption("hypothesis_profile", None)))
 
 

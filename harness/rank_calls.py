@@ -4,8 +4,8 @@
 The body of a ``DistributedTest`` runs on the ranks. Some tests are better
 driven from the pytest process: a property-based test draws its examples and
 shrinks a failing one there, and hands each example to the ranks on its own.
-``rank_calls`` (a session fixture) runs ``method(**kwargs)``, a method of a
-``DistributedTest`` subclass, on every rank of a pool of ``world_size`` ranks
+``rank_calls`` (a session fixture) runs a method of a ``DistributedTest``
+subclass with keyword arguments on every rank of a pool of ``world_size`` ranks
 exactly as the harness runs a test method: ``setUp``/``tearDown`` around it,
 the ranks restored and reseeded after it, a failing rank's peers stopped with
 their stacks, a dead or hung pool replaced before the next call. It returns the
@@ -81,16 +81,18 @@ class RankCalls:
 
     def run(
         self,
-        method: Callable[..., object],
+        test_class: type[DistributedTest],
+        method: str,
         world_size: int,
         timeout_s: float | None = None,
         **kwargs: object,
     ) -> CallOutcome:
-        """Runs ``method`` (``SomeDistributedTest.method``, defined at module
-        level in an importable file) on ``world_size`` ranks with ``kwargs``,
-        which are pickled to the ranks. ``timeout_s`` bounds the ranks' time
-        (default: ``--dist-timeout``). Skips the calling test when the ranks
-        cannot run here (as a ``DistributedTest`` would be skipped)."""
+        """Runs ``test_class().method(**kwargs)`` on ``world_size`` ranks, as a test
+        method runs (``setUp`` and ``tearDown`` around it); ``test_class`` is
+        defined at module level in an importable file, ``kwargs`` are pickled to
+        the ranks. ``timeout_s`` bounds the ranks' time (default:
+        ``--dist-timeout``). Skips the calling test when the ranks cannot run
+        here, as a ``DistributedTest`` would be skipped."""
         placement = self._placement_of(world_size)
         if isinstance(placement, str):
             pytest.skip(placement)
@@ -98,7 +100,7 @@ class RankCalls:
         request = TestRequest(
             key=PoolKey(world_size, placement.device_type),
             placement=placement,
-            message=_message(method, kwargs, self._settings),
+            message=_message(test_class, method, kwargs, self._settings),
             fresh_pool=False,
             timeout_s=self._settings.timeout_s if timeout_s is None else timeout_s,
             grace_s=self._settings.grace_s,
@@ -110,23 +112,24 @@ class RankCalls:
 
 
 def _message(
-    method: Callable[..., object], kwargs: dict[str, object], settings: CallSettings
+    test_class: type[DistributedTest],
+    method: str,
+    kwargs: dict[str, object],
+    settings: CallSettings,
 ) -> RunTest:
-    class_qualname, _, method_name = method.__qualname__.rpartition(".")
-    module = sys.modules[method.__module__]
-    cls = getattr(module, class_qualname.split(".")[0], None)
-    if not class_qualname or "<locals>" in class_qualname or cls is None:
-        raise TypeError(f"{method.__qualname__} is not a method of a module-level class")
-    for part in class_qualname.split(".")[1:]:
-        cls = getattr(cls, part)
-    if not (isinstance(cls, type) and issubclass(cls, DistributedTest)):
-        raise TypeError(f"{class_qualname} is not a DistributedTest subclass")
+    if not (isinstance(test_class, type) and issubclass(test_class, DistributedTest)):
+        raise TypeError(f"{test_class!r} is not a DistributedTest subclass")
+    if "<locals>" in test_class.__qualname__:
+        raise TypeError(f"{test_class.__qualname__} is not defined at module level")
+    if not callable(getattr(test_class, method, None)):
+        raise TypeError(f"{test_class.__qualname__} has no method {method!r}")
+    module = sys.modules[test_class.__module__]
     return RunTest(
-        nodeid=f"{module.__name__}::{method.__qualname__}",
+        nodeid=f"{module.__name__}::{test_class.__qualname__}::{method}",
         module_name=module.__name__,
         module_file=str(module.__file__),
-        class_qualname=class_qualname,
-        method_name=method_name,
+        class_qualname=test_class.__qualname__,
+        method_name=method,
         kwargs=dict(kwargs),
         seed=settings.seed,
         sys_path=tuple(sys.path),

@@ -39,9 +39,9 @@ def test_fsdp_trains_like_ddp(
 ) -> None:
     """Every drawn example keeps every property (see fsdptest.properties.lockstep)."""
     example = data.draw(examples(property_search.target(world_size)), label="example")
-    property_search.check(PropertyRanks.check, example)
+    property_search.check(PropertyRanks, example)
 
 
 def test_replay_example(property_search: PropertySearch, replayed_example: Example) -> None:
     """The example of ``--replay-example`` keeps every property."""
-    property_search.check(PropertyRanks.check, replayed_example)
+    property_search.check(PropertyRanks, replayed_example)

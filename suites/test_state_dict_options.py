@@ -17,8 +17,9 @@ float and integer buffers, batch-norm statistics and a non-persistent buffer:
 - round trips: a state dict of one model loads (strictly) into a model built
   from another seed, also after a rank-0-only save broadcast to every rank, and
   the full parameters and buffers are then the first model's. A local state
-  dict with ``use_orig_params`` loads through the original parameters; its
-  flat parameters are unexpected keys, so only a non-strict load succeeds.
+  dict with ``use_orig_params`` loads strictly too; torch's FSDP loads it
+  through the original parameters and leaves its flat parameters as unexpected
+  keys, so only a non-strict load succeeds there (asserted).
 - ``sync_module_states=True``: ranks that start from different parameters and
   buffers all end with rank 0's.
 - buffers: in ``buffer_dtype`` from lazy initialisation on; full and sharded
@@ -48,6 +49,7 @@ from fsdptest import FSDPTest
 from fsdptest.api import (
     FLAT_PARAM,
     FSDP,
+    IMPL,
     FullStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
@@ -323,16 +325,22 @@ class _StateDictOptions(FSDPTest):
             state_dict = source.state_dict()
         if rank0_only and sharded:
             state_dict = self._broadcast_from_rank0(state_dict)
-        local_orig = kind is StateDictType.LOCAL_STATE_DICT and sharded and use_orig_params
+        # Torch's FSDP leaves a local state dict's flat parameter key in place
+        # when the flat parameter is not registered (use_orig_params=True), and
+        # loads through the original parameters' views (see fsdp._state_dict).
+        torch_local_orig = (
+            IMPL == "torch"
+            and kind is StateDictType.LOCAL_STATE_DICT
+            and sharded
+            and use_orig_params
+        )
         unexpected: list[str] = []
         with FSDP.state_dict_type(target, kind):
-            if local_orig:
-                # Loads through the original parameters' views; the flat
-                # parameter is not registered then (torch's behaviour).
+            if torch_local_orig:
                 with self.assertRaisesRegex(RuntimeError, 'Unexpected key.*"_flat_param"'):
                     target.load_state_dict(state_dict)
                 unexpected = sorted(prefix + FLAT_PARAM for prefix in UNIT_PREFIXES)
-            result = target.load_state_dict(state_dict, strict=not local_orig)
+            result = target.load_state_dict(state_dict, strict=not torch_local_orig)
         self.assertEqual(list(result.missing_keys), [])
         self.assertEqual(sorted(result.unexpected_keys), unexpected)
         self.assertEqual(_full_state(target), _full_state(source), rtol=0, atol=0)

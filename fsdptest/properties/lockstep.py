@@ -35,11 +35,17 @@ CPU kernels may round differently for another alignment (the search found
 losses one ulp apart in the first forward, under both implementations). So fp32
 is compared with ``REORDERED_FP32`` (torch's fp32 defaults), which a wrong
 gradient (a divide factor, a dropped microbatch) still exceeds by orders of
-magnitude after one step. Under mixed precision the reference rounds as FSDP does up to the order of
-reductions and accumulations (see [Note: The mixed-precision reference]);
-losses, norms and gradients are compared to ``LOW_PRECISION_ULPS`` machine
-epsilons of the least precise dtype in use, relative, and parameters, which
-move by ``LR`` times such differences, to the same relative tolerance.
+magnitude after one step. Under mixed precision the reference rounds as FSDP
+does up to the order of reductions and accumulations (see [Note: The
+mixed-precision reference]), and a rounding of an operand is relative to the
+operand, not to a result that cancels: losses, norms and gradients (of order
+one here) are compared to ``LOW_PRECISION_ULPS`` machine epsilons of the least
+precise dtype in use, relative and absolute, and parameters, which move by
+``LR`` times such differences summed over the steps with momentum (at most
+``1 / (1 - MOMENTUM)`` times one), to that times ``LR / (1 - MOMENTUM)``
+absolute. That is loose (0.125 for bf16): mixed-precision examples find what
+breaks (errors, wrong dtypes, gross errors); full-precision ones find the
+arithmetic.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import contextlib
 import copy
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdptest.api import (
     FSDP,
     IMPL,
+    NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -80,7 +87,7 @@ from fsdptest.properties.examples import (
     Step,
     Wrap,
 )
-from fsdptest.properties.modules import BlockModule, Head, TiedLinears, batch, build
+from fsdptest.properties.modules import BlockModule, Head, TiedLinear, TiedLinears, batch, build
 from fsdptest.properties.reference import dtype_of, inner_model, reference
 from harness.assertions import Assertions
 from harness.testcase import current_device
@@ -92,14 +99,20 @@ EDIT_SCALE, EDIT_SHIFT = 0.75, 0.01  # the summoned edit: p <- 0.75 p + 0.01
 Grads = dict[str, "torch.Tensor | None"]
 
 
-def tolerance(example: Example) -> Tolerance:
+class Tolerances(NamedTuple):
+    values: Tolerance  # losses, norms, gradients
+    parameters: Tolerance
+
+
+def tolerances(example: Example) -> Tolerances:
     """See [Note: Property tolerances]."""
     precision = example.config.mixed_precision
     dtypes = [] if precision is None else _low_dtypes(precision)
-    if dtypes:
-        eps = max(torch.finfo(d).eps for d in dtypes)
-        return Tolerance(rtol=LOW_PRECISION_ULPS * eps, atol=LOW_PRECISION_ULPS * eps * LR)
-    return REORDERED_FP32
+    if not dtypes:
+        return Tolerances(REORDERED_FP32, REORDERED_FP32)
+    ulps = LOW_PRECISION_ULPS * max(torch.finfo(d).eps for d in dtypes)
+    moved = ulps * LR / (1 - MOMENTUM)
+    return Tolerances(Tolerance(rtol=ulps, atol=ulps), Tolerance(rtol=ulps, atol=moved))
 
 
 def _low_dtypes(precision: Precision) -> list[torch.dtype]:
@@ -167,7 +180,7 @@ def _policy(config: Config) -> Any:
             size_based_auto_wrap_policy,
             min_num_params=config.min_num_params,
             force_leaf_modules={TiedLinears},
-            exclude_wrap_modules={nn.ModuleList, nn.ModuleDict, nn.Embedding, Head},
+            exclude_wrap_modules={nn.ModuleList, nn.ModuleDict, nn.Embedding, Head, TiedLinear},
         )
     return None
 
@@ -180,7 +193,7 @@ class Lockstep:
     rank: int
     fsdp: nn.Module
     reference: DDP
-    tolerance: Tolerance
+    tolerances: Tolerances
     broken: list[str]  # what each broken property said, in order
     _optims: tuple[torch.optim.Optimizer, torch.optim.Optimizer]
 
@@ -192,7 +205,7 @@ class Lockstep:
         self.reference = reference(example, copy.deepcopy(model))
         groups = process_groups(example, rank)
         self.fsdp = FSDP(model, **fsdp_kwargs(example, model, groups))
-        self.tolerance = tolerance(example)
+        self.tolerances = tolerances(example)
         self.broken = []
         self._optims = (
             torch.optim.SGD(self.fsdp.parameters(), lr=LR, momentum=MOMENTUM, foreach=False),
@@ -283,7 +296,7 @@ class Lockstep:
     def check_parameters(self, when: str) -> None:
         model = inner_model(self.reference)
         expected = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-        self._equal(self.full_parameters(), expected, f"[parameters] {when}")
+        self._equal(self.full_parameters(), expected, f"[parameters] {when}", parameters=True)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """By every name (a tied parameter under each of its names: whether the
@@ -309,9 +322,9 @@ class Lockstep:
                 (expected, expected, expected * shard_size),
                 f"{what} holds 1/{shard_size} of {unpadded} elements (numel, sharded, padded)",
             )
-            self._expect(
-                flat._full_param_padded.untyped_storage().size(), 0, f"{what} freed its storage"
-            )
+            if not _keeps_frozen_unsharded(unit):
+                storage = flat._full_param_padded.untyped_storage().size()
+                self._expect(storage, 0, f"{what} freed its storage")
 
     def check_grads_none(self, when: str) -> None:
         """See [Note: The properties]."""
@@ -359,8 +372,8 @@ class Lockstep:
 
     # -- comparisons -----------------------------------------------------------------------
 
-    def _equal(self, actual: object, expected: object, what: str) -> None:
-        tol = self.tolerance
+    def _equal(self, actual: object, expected: object, what: str, parameters: bool = False) -> None:
+        tol = self.tolerances.parameters if parameters else self.tolerances.values
         self._expect(actual, expected, what, exact_dtype=False, rtol=tol.rtol, atol=tol.atol)
 
     def _expect(self, actual: object, expected: object, what: str, **kwargs: Any) -> None:
@@ -379,7 +392,22 @@ class Lockstep:
             {k: actual[k].to(expected[k].device) for k in common},
             {k: expected[k] for k in common},
             f"{what}: values",
+            parameters=True,
         )
+
+
+def _keeps_frozen_unsharded(unit: Any) -> bool:
+    """Torch's FSDP reshards a unit without gradients after backward from a hook
+    on its forward's inputs that require gradients; where none do (frozen layers
+    first in a model of float features), a strategy that keeps parameters
+    unsharded from forward to backward keeps them after the step too (asserted
+    in suites/test_property_findings.py)."""
+    strategy = unit.sharding_strategy
+    return (
+        IMPL == "torch"
+        and not unit._handle.flat_param.requires_grad
+        and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
+    )
 
 
 def _units(model: nn.Module) -> Iterator[tuple[str, Any]]:

@@ -4,10 +4,13 @@
 Tied and shared parameters must stay inside one FSDP unit: the embedding and
 the head it is tied to are direct children of the root, which no policy wraps
 (``Embedding`` and ``Head`` are excluded from size-based wrapping, and
-``ModuleWrapPolicy`` wraps only ``Block`` s); ``TiedLinears`` is a leaf for the
-size-based policy (it may become a unit as a whole, its two Linears never
-separately). A ``SharedLinear`` may become a unit of its own: that unit then
-runs forward twice per iteration. Integer inputs stay integers under mixed
+``ModuleWrapPolicy`` wraps only ``Block`` s); ``TiedLinears`` may become a unit
+as a whole, its two ``TiedLinear`` s never separately: they are excluded from
+size-based wrapping. (Making ``TiedLinears`` a force-leaf module is not enough:
+under mixed precision torch's FSDP ORs the policy with one that always
+recurses, so force-leaf modules are descended into; see
+``suites/test_property_findings.py``.) A ``SharedLinear`` may become a unit of
+its own: that unit then runs forward twice per iteration. Integer inputs stay integers under mixed
 precision; the loss is computed in fp32 from the output, as a training loop
 under mixed precision does.
 """
@@ -57,13 +60,17 @@ class SharedLinear(nn.Module):
         return torch.tanh(self.linear(torch.tanh(self.linear(x))))
 
 
+class TiedLinear(nn.Linear):
+    """One of ``TiedLinears``' Linears (a class of its own, never a unit alone)."""
+
+
 class TiedLinears(nn.Module):
     """Two Linears holding one weight parameter, each with its own bias."""
 
     def __init__(self, width: int, bias: bool) -> None:
         super().__init__()
-        self.first = nn.Linear(width, width, bias=bias)
-        self.second = nn.Linear(width, width, bias=bias)
+        self.first = TiedLinear(width, width, bias=bias)
+        self.second = TiedLinear(width, width, bias=bias)
         self.second.weight = self.first.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from each test's own code, so every run draws the same examples) with
 hypothesis database (``.hypothesis/`` in the directory pytest runs from),
 which replays them first on the next run. Choose with hypothesis's own
 ``--hypothesis-profile deep`` or ``HYPOTHESIS_PROFILE=deep``; the option wins.
+``--property-examples N`` replaces either profile's count (to bound a run's time).
 A failure's report also prints a replay id: ``--replay-example ID`` runs that
 one example again (``test_replay_example``), without hypothesis.
 """
@@ -39,8 +40,9 @@ from hypothesis import HealthCheck, Phase, settings
 from fsdptest.properties.examples import Example
 from fsdptest.properties.strategies import Target
 from harness.rank_calls import CallOutcome, RankCalls
+from harness.testcase import DistributedTest
 
-CI_EXAMPLES = 60
+CI_EXAMPLES = 40
 DEEP_EXAMPLES = 2000
 EXAMPLE_TIMEOUT_S = 60.0
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
@@ -51,11 +53,11 @@ _SLOW_IS_EXPECTED = [HealthCheck.too_slow, HealthCheck.data_too_large]
 _PHASES = [p for p in Phase if p is not Phase.explain]
 
 
-def register_profiles() -> None:
-    """See [Note: Budgets]."""
+def register_profiles(max_examples: int | None = None) -> None:
+    """See [Note: Budgets]; ``max_examples`` replaces both profiles' counts."""
     settings.register_profile(
         "ci",
-        max_examples=CI_EXAMPLES,
+        max_examples=max_examples or CI_EXAMPLES,
         derandomize=True,
         database=None,
         deadline=None,
@@ -65,7 +67,7 @@ def register_profiles() -> None:
     )
     settings.register_profile(
         "deep",
-        max_examples=DEEP_EXAMPLES,
+        max_examples=max_examples or DEEP_EXAMPLES,
         derandomize=False,
         deadline=None,
         print_blob=True,
@@ -101,14 +103,11 @@ class PropertySearch:
         device_type = self.calls.device_type(world_size) or "cpu"
         return Target(self.impl, device_type, world_size)
 
-    def check(self, method: object, example: Example) -> None:
-        """Runs ``method(example=example)`` on the example's ranks; raises
+    def check(self, ranks: type[DistributedTest], example: Example) -> None:
+        """Runs ``ranks().check(example=example)`` on the example's ranks; raises
         ``ExampleFailed`` unless every rank passed."""
         outcome = self.calls.run(
-            method,  # type: ignore[arg-type]
-            example.world_size,
-            timeout_s=EXAMPLE_TIMEOUT_S,
-            example=example,
+            ranks, "check", example.world_size, timeout_s=EXAMPLE_TIMEOUT_S, example=example
         )
         if not outcome.passed:
             raise ExampleFailed(self.report(example, outcome))
