@@ -9,8 +9,12 @@ TORCH_CPU_OFFLOAD_SKIP = (
     "torch 2.13 raises 'Cannot access accelerator device when none is available')"
 )
 
-# What torch's FSDP raises when asked to offload parameters without an accelerator.
-TORCH_CPU_OFFLOAD_ERROR = "Cannot access accelerator device when none is available"
+# What torch's FSDP raises when asked to offload parameters without an accelerator
+# (a regular expression): a CPU build of torch says the first, a CUDA build whose
+# ranks see no GPU (CPU ranks on a GPU machine) the second.
+TORCH_CPU_OFFLOAD_ERROR = (
+    "Cannot access accelerator device when none is available|No CUDA GPUs are available"
+)
 
 CPU_OFFLOAD_ASSERTED_MARKER = "torch_cpu_offload_asserted"
 CPU_OFFLOAD_ASSERTED_HELP = (
