@@ -1,0 +1,119 @@
+"""Per-file test and subtest counts of a JUnit report, as the Markdown table
+``docs/suites.md`` keeps.
+
+Usage::
+
+    python -m pytest suites -n 2 --junitxml=local.xml
+    python bench/suite_counts.py local.xml [--skips]
+    python bench/suite_counts.py local.xml torch.xml    # side by side: passed / failed / skipped
+
+With two reports the table puts them side by side, each cell ``passed / failed
+/ skipped`` for tests and ``ran / failed / skipped`` for subtests.
+
+Subtest counts come from each test's ``subtests`` user property (written by the
+harness); ``--skips`` also lists each skip reason with its count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+COLUMNS = ("passed", "failed", "skipped", "sub ran", "sub failed", "sub skipped")
+
+
+def file_of(classname: str) -> str:
+    """``suites.test_core.TestParity`` -> ``suites/test_core.py``."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        if parts[end - 1].startswith("test_"):
+            return "/".join(parts[:end]) + ".py"
+    return classname
+
+
+def outcome(case: ET.Element) -> str:
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    return "skipped" if case.find("skipped") is not None else "passed"
+
+
+def subtests(case: ET.Element) -> dict[str, int]:
+    for prop in case.iter("property"):
+        if prop.get("name") == "subtests":
+            return ast.literal_eval(prop.get("value", "{}"))
+    return {}
+
+
+def counts(path: Path) -> tuple[dict[str, collections.Counter[str]], collections.Counter[str]]:
+    per_file: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    reasons: collections.Counter[str] = collections.Counter()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        row = per_file[file_of(case.get("classname", ""))]
+        result = outcome(case)
+        row[result] += 1
+        if result == "skipped":
+            reasons[case.find("skipped").get("message", "")] += 1  # type: ignore[union-attr]
+        sub = subtests(case)
+        row["sub ran"] += sub.get("ran", 0)
+        row["sub failed"] += sub.get("failed", 0)
+        row["sub skipped"] += sub.get("skipped", 0)
+    return per_file, reasons
+
+
+def table(per_file: dict[str, collections.Counter[str]]) -> str:
+    lines = ["| suite | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    total: collections.Counter[str] = collections.Counter()
+    for name in sorted(per_file):
+        row = per_file[name]
+        total.update(row)
+        lines.append(f"| `{name}` | " + " | ".join(str(row[c]) for c in COLUMNS) + " |")
+    lines.append("| total | " + " | ".join(f"**{total[c]}**" for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _cells(row: collections.Counter[str]) -> str:
+    tests = " / ".join(str(row[c]) for c in COLUMNS[:3])
+    subs = " / ".join(str(row[c]) for c in COLUMNS[3:])
+    return f"{tests} | {subs}"
+
+
+def side_by_side(first: Path, second: Path) -> str:
+    """Two reports' counts per file in one table."""
+    left, right = counts(first)[0], counts(second)[0]
+    header = (
+        f"| suite | {first.stem} tests | {first.stem} subtests "
+        f"| {second.stem} tests | {second.stem} subtests |"
+    )
+    lines = [header, "|---|---|---|---|---|"]
+    totals = (collections.Counter[str](), collections.Counter[str]())
+    for name in sorted(set(left) | set(right)):
+        totals[0].update(left[name])
+        totals[1].update(right[name])
+        lines.append(f"| `{name}` | {_cells(left[name])} | {_cells(right[name])} |")
+    lines.append(f"| total | {_cells(totals[0])} | {_cells(totals[1])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("junit", type=Path, nargs="+", help="one or two JUnit files")
+    parser.add_argument("--skips", action="store_true", help="list skip reasons with counts")
+    opts = parser.parse_args()
+    if len(opts.junit) > 2:
+        parser.error("give one or two JUnit files")
+    if len(opts.junit) == 2:
+        print(side_by_side(*opts.junit))
+    else:
+        print(table(counts(opts.junit[0])[0]))
+    if opts.skips:
+        for path in opts.junit:
+            print(f"\nskips of {path.name}:")
+            for reason, n in counts(path)[1].most_common():
+                print(f"- {n} × {reason}")
+
+
+if __name__ == "__main__":
+    main()
