@@ -26,6 +26,7 @@ from fsdptest.api import (
 from fsdptest.properties.examples import (
     Between,
     Block,
+    Clip,
     Config,
     DType,
     Example,
@@ -166,6 +167,36 @@ class TestPropertyFindingsWorld2(FSDPTest):
         lockstep.check_state_dict_round_trip(0, Between.LOCAL_STATE_DICT)
         self.assertEqual(lockstep.broken, [])
 
+    def test_frozen_first_unit_keeps_its_parameters_under_no_shard(self) -> None:
+        """The frozen first unit of the test above, under ``NO_SHARD`` with
+        ``use_orig_params=True``: torch's FSDP never restores its sharded views
+        (the reshard hook never fires), so after backward its module holds the
+        unsharded views as plain tensors and ``named_parameters()`` no longer
+        lists them (found at 2 ranks with the frozen unit nesting a trainable
+        one)."""
+        frozen_outer = Model(
+            vocab=0,
+            width=1,
+            blocks=(
+                Block(
+                    (Layer(LayerKind.LINEAR, 1, frozen=True),),
+                    (Block((Layer(LayerKind.LINEAR, 1),)),),
+                ),
+            ),
+        )
+        config = Config(
+            sharding=Sharding.NO_SHARD,
+            use_orig_params=True,
+            wrap=Wrap.BLOCKS,
+            backward_prefetch=Prefetch.NONE,
+        )
+        example = _example(2, frozen_outer, config, Step())
+        if IMPL == "torch":
+            with self.assertRaisesRegex(AssertionError, r"\[parameters\] at the end:\s*Mappings"):
+                check_example(self, example)
+            return
+        check_example(self, example)
+
     def test_force_leaf_modules_are_descended_into_under_mixed_precision(self) -> None:
         """``size_based_auto_wrap_policy(force_leaf_modules=...)`` keeps its
         modules whole, except under mixed precision: torch's FSDP then ORs the
@@ -186,6 +217,29 @@ class TestPropertyFindingsWorld2(FSDPTest):
             tied = model.module[0]
             units = [m for m in tied.modules() if isinstance(m, FSDP) and m is not tied]
             self.assertEqual(len(units), inner_units, f"mixed_precision={precision}")
+
+
+class TestPropertyFindingsWorld3(FSDPTest):
+    world_size = 3
+
+    def test_two_norm_after_an_inf_norm_clip_with_a_frozen_parameter(self) -> None:
+        """``clip_grad_norm_`` with ``use_orig_params=True`` and a frozen
+        parameter: after an inf-norm call on one step, torch's FSDP returns a
+        2-norm on the next that is too large, and clips by it (for two
+        ``Linear(1, 1)`` at 3 ranks, the first frozen: 1.507 where the
+        gradients' norm is 1.128; the square is one gradient's square too
+        large). Without the frozen parameter, or without the
+        inf-norm call before, torch's norm is right. Found at 3 and 4 ranks."""
+        one_frozen = Model(
+            vocab=0, width=1, blocks=(Block((Layer(LayerKind.LINEAR, 1, frozen=True),)),)
+        )
+        config = Config(use_orig_params=True, backward_prefetch=Prefetch.NONE)
+        example = _example(3, one_frozen, config, Step(clip=Clip.INF), Step(clip=Clip.L2))
+        if IMPL == "torch":
+            with self.assertRaisesRegex(AssertionError, r"\[clip\] step 1: total norm"):
+                check_example(self, example)
+            return
+        check_example(self, example)
 
 
 class TestPropertyFindingsWorld4(FSDPTest):
