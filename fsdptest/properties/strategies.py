@@ -43,8 +43,8 @@ cannot do; the suites named here assert each of these limitations:
   Linear layers of one input and one output get a bias there (every other
   module with parameters has at least two elements);
 - a low-precision gradient of a tied parameter with ``use_orig_params=True``
-  (``keep_low_precision_grads``, or accumulated under ``no_sync`` with a
-  ``param_dtype``): torch gives the second name its gradient with
+  (``keep_low_precision_grads`` with a ``param_dtype`` or a ``reduce_dtype``,
+  or accumulated under ``no_sync`` with a ``param_dtype``): torch gives the second name its gradient with
   ``param.grad = prim_param.grad``, which torch 2.13 refuses for a gradient of
   another dtype (``suites/test_property_findings.py``); such examples keep
   full-precision gradients and sync every microbatch;
@@ -268,7 +268,10 @@ def _for_torch(example: Example) -> Example:
         model = _without_one_element_units(model)
     else:
         precision = config.mixed_precision
-        if precision is not None and precision.param_dtype is not None and _has_ties(model):
+        low = precision is not None and (
+            precision.param_dtype is not None or precision.reduce_dtype is not None
+        )
+        if precision is not None and low and _has_ties(model):
             kept = dataclasses.replace(precision, keep_low_precision_grads=False)
             config = dataclasses.replace(config, mixed_precision=kept)
             steps = [dataclasses.replace(s, microbatches=_synced(s.microbatches)) for s in steps]
