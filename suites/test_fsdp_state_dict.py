@@ -12,8 +12,9 @@ after a rank-0-only load, world-size-1 groups, ``torch.save`` of local state
 dicts (``ShardedTensor`` values) and loading them after resharding.
 
 Upstream's helpers from ``common_fsdp`` (``_zero_model``, ``get_full_params``,
-``_broadcast_state_dict``, ``SkipModel`` ...) are written here, as small
-functions. "cuda" in upstream is the test's device.
+``_assert_module_states``, ``SkipModel`` ...) come from ``upstream.common_fsdp``
+and ``models``; ``_broadcast_state_dict`` is this file's (see there). "cuda" in
+upstream is the test's device.
 """
 
 from __future__ import annotations
@@ -73,7 +74,13 @@ from fsdptest.limitations import (
     torch_on_cpu,
 )
 from harness import current_device, parametrize
-from models import TransformerWithSharedParams
+from models import SkipModel, TransformerWithSharedParams
+from upstream.common_fsdp import (
+    _assert_module_states,
+    _get_state_dict,
+    _zero_model,
+    get_full_params,
+)
 
 INNER_SHAPE = [4, 4]
 OUTER_SHAPE = [4, 5]
@@ -110,90 +117,19 @@ def _fp16_mixed_precision() -> MixedPrecision:
 
 
 # -- upstream's common_fsdp helpers ------------------------------------------------------------
-
-
-def _zero_model(model: nn.Module, zero_buffers: bool = False, summon_full: bool = True) -> None:
-    """Zeroes every parameter (and buffer) of ``model``, through its full parameters."""
-    ctx = FSDP.summon_full_params(model) if summon_full else nullcontext()
-    with ctx, torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-        if zero_buffers:
-            for buffer in model.buffers():
-                buffer.zero_()
-
-
-def _get_state_dict(
-    model: nn.Module, cpu_offload: bool = False, half: bool = False
-) -> dict[str, Any]:
-    if not cpu_offload:
-        model = model.to(current_device())
-    if half:
-        model.half()
-    return model.state_dict()
-
-
-def get_full_params(model: nn.Module, recurse: bool = True) -> list[nn.Parameter]:
-    """Copies of the full, unsharded original parameters of ``model``."""
-    with FSDP.summon_full_params(model, recurse=recurse):
-        return deepcopy(list(model.parameters()))
+# (the others come from upstream.common_fsdp and models)
 
 
 def _broadcast_state_dict(rank: int, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's state dict on every rank (through CPU objects)."""
+    """Rank 0's state dict on every rank, as a pickled object: after a
+    ``rank0_only`` save the other ranks hold empty dicts, which
+    ``upstream.common_fsdp._broadcast_state_dict`` (tensor by tensor into each
+    rank's own entries) cannot fill."""
     cpu_dict = {key: value.cpu() for key, value in state_dict.items()}
     objects = [cpu_dict]
     dist.broadcast_object_list(objects, src=0)
     device = current_device()
     return {key: value.to(device) for key, value in objects[0].items()}
-
-
-def _assert_module_states(
-    model: nn.Module, process_group: dist.ProcessGroup, assert_fn: Callable[..., None]
-) -> None:
-    """Applies ``assert_fn`` to each parameter and buffer of rank 0 and the same
-    tensor of every other rank."""
-    named = itertools.chain(model.named_parameters(), model.named_buffers())
-    states = [(name, tensor.detach().cpu()) for name, tensor in named]
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, states, group=process_group)
-    for other in gathered[1:]:
-        for (_, rank0_tensor), (_, other_tensor) in zip(gathered[0], other):
-            assert_fn(rank0_tensor, other_tensor)
-
-
-class SkipModule(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(10, 10, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)
-
-
-class NestedLinear(nn.Module):
-    def __init__(self, fsdp_wrap: bool) -> None:
-        super().__init__()
-        if fsdp_wrap:
-            self.nested_linear = wrap(nn.Linear(10, 10, bias=False).to(current_device()))
-        else:
-            self.nested_linear = nn.Linear(10, 10, bias=False).to(current_device())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.nested_linear(x)
-
-
-class SkipModel(nn.Module):
-    """``linear``, ``linear_skip`` (a ``SkipModule``) and a (doubly) wrapped ``nested_linear``."""
-
-    def __init__(self, double_nest: bool) -> None:
-        super().__init__()
-        self.linear = nn.Linear(10, 10, bias=False).to(current_device())
-        self.linear_skip = SkipModule().to(current_device())
-        self.nested_linear = wrap(NestedLinear(fsdp_wrap=double_nest), device_id=current_device())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.nested_linear(self.linear_skip(self.linear(x)))
 
 
 # -- this file's models --------------------------------------------------------------------------
