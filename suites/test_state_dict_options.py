@@ -84,6 +84,12 @@ OPTIONS = [
     (StateDictType.LOCAL_STATE_DICT, False, False),
     (StateDictType.LOCAL_STATE_DICT, False, True),
 ]
+# Every strategy x use_orig_params x option: the contents and round-trip tests' subtests.
+OPTION_MATRIX = {
+    "strategy": ALL_STRATEGIES,
+    "use_orig_params": [False, True],
+    "option": OPTIONS,
+}
 
 
 class Block(nn.Module):
@@ -189,12 +195,7 @@ class _StateDictOptions(FSDPTest):
 
     def test_state_dict_contents(self) -> None:
         """Keys, value types, values, devices and ranks of every type and option."""
-        config = {
-            "strategy": ALL_STRATEGIES,
-            "use_orig_params": [False, True],
-            "option": OPTIONS,
-        }
-        self.run_subtests(config, self._check_contents)
+        self.run_subtests(OPTION_MATRIX, self._check_contents)
 
     def _check_contents(
         self,
@@ -296,12 +297,7 @@ class _StateDictOptions(FSDPTest):
     def test_round_trip(self) -> None:
         """A state dict of one model loads into a model of another seed; the
         second model then has the first one's parameters, buffers and outputs."""
-        config = {
-            "strategy": ALL_STRATEGIES,
-            "use_orig_params": [False, True],
-            "option": OPTIONS,
-        }
-        self.run_subtests(config, self._check_round_trip)
+        self.run_subtests(OPTION_MATRIX, self._check_round_trip)
 
     def _check_round_trip(
         self,
