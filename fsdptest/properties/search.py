@@ -55,24 +55,21 @@ _PHASES = [p for p in Phase if p is not Phase.explain]
 
 def register_profiles(max_examples: int | None = None) -> None:
     """See [Note: Budgets]; ``max_examples`` replaces both profiles' counts."""
-    settings.register_profile(
-        "ci",
-        max_examples=max_examples or CI_EXAMPLES,
-        derandomize=True,
-        database=None,
+    common = settings(
         deadline=None,
         print_blob=True,
         suppress_health_check=_SLOW_IS_EXPECTED,
         phases=_PHASES,
     )
     settings.register_profile(
-        "deep",
-        max_examples=max_examples or DEEP_EXAMPLES,
-        derandomize=False,
-        deadline=None,
-        print_blob=True,
-        suppress_health_check=_SLOW_IS_EXPECTED,
-        phases=_PHASES,
+        "ci",
+        common,
+        max_examples=max_examples or CI_EXAMPLES,
+        derandomize=True,
+        database=None,
+    )
+    settings.register_profile(
+        "deep", common, max_examples=max_examples or DEEP_EXAMPLES, derandomize=False
     )
 
 
