@@ -80,13 +80,12 @@ def _cells(row: collections.Counter[str]) -> str:
     return f"{tests} | {subs}"
 
 
-def side_by_side(first: Path, second: Path) -> str:
-    """Two reports' counts per file in one table."""
-    left, right = counts(first)[0], counts(second)[0]
-    header = (
-        f"| suite | {first.stem} tests | {first.stem} subtests "
-        f"| {second.stem} tests | {second.stem} subtests |"
-    )
+PerFile = dict[str, collections.Counter[str]]
+
+
+def side_by_side(first: str, second: str, left: PerFile, right: PerFile) -> str:
+    """Two reports' counts per file in one table, under the reports' names."""
+    header = f"| suite | {first} tests | {first} subtests | {second} tests | {second} subtests |"
     lines = [header, "|---|---|---|---|---|"]
     totals = (collections.Counter[str](), collections.Counter[str]())
     for name in sorted(set(left) | set(right)):
@@ -104,14 +103,15 @@ def main() -> None:
     opts = parser.parse_args()
     if len(opts.junit) > 2:
         parser.error("give one or two JUnit files")
-    if len(opts.junit) == 2:
-        print(side_by_side(*opts.junit))
+    reports = [counts(path) for path in opts.junit]
+    if len(reports) == 2:
+        print(side_by_side(opts.junit[0].stem, opts.junit[1].stem, reports[0][0], reports[1][0]))
     else:
-        print(table(counts(opts.junit[0])[0]))
+        print(table(reports[0][0]))
     if opts.skips:
-        for path in opts.junit:
+        for path, (_, reasons) in zip(opts.junit, reports):
             print(f"\nskips of {path.name}:")
-            for reason, n in counts(path)[1].most_common():
+            for reason, n in reasons.most_common():
                 print(f"- {n} × {reason}")
 
 
