@@ -37,9 +37,10 @@ profile would change every other project's hypothesis tests (and replace a
 profile a project loaded itself). The budget is therefore never loaded: the
 plugin applies it, as ``@settings`` would, to the tests that use the
 ``property_search`` fixture and have no ``@settings`` of their own
-(``apply_budget``). ``ci`` and ``deep`` are also registered as profiles, where
-no profile has those names yet, so that ``--hypothesis-profile deep`` is
-accepted; loading one that way is the user's choice and applies to the session.
+(``apply_budget``). When ``--hypothesis-profile ci`` or ``deep`` asks for one,
+it is also registered as a profile (where no profile has that name yet), so that
+hypothesis accepts the option; loading it that way is the user's choice and
+applies to the session.
 A property test that checked no example fails (``PropertySearch.checked``).
 """
 

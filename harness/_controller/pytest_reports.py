@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -189,9 +189,14 @@ class SessionReporter:
     """Subtest and placement bookkeeping of a session, from reports (also those
     xdist workers send), and the lines it adds to the terminal summary."""
 
-    def __init__(self, config: pytest.Config, pool_line: Any) -> None:
+    _config: pytest.Config
+    _pool_line: Callable[[], str | None]  # the "rank pools: ..." line of this process
+    subtests: dict[str, Counter[str]]  # by test: ran, failed, skipped, deselected
+    placements: Counter[tuple[int, str]]  # (world size, "device/backend") -> tests
+
+    def __init__(self, config: pytest.Config, pool_line: Callable[[], str | None]) -> None:
         self._config = config
-        self._pool_line = pool_line  # () -> the "rank pools: ..." line, or None
+        self._pool_line = pool_line
         self.subtests: dict[str, Counter[str]] = {}
         self.placements: Counter[tuple[int, str]] = Counter()
 
