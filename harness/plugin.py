@@ -36,7 +36,6 @@ from harness._controller.pytest_reports import (
 from harness._controller.report import PoolLeakWarning
 from harness._protocol import RunTest, Status
 from harness._types import Placement, PoolKey, PoolSettings
-from harness.subtests import parse_filter
 
 if TYPE_CHECKING:
     from harness._controller.dispatch import PoolManager, TestRequest
@@ -98,8 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
     ):
         config.addinivalue_line("markers", line)
-    options.check(config)
-    config.stash[filter_key] = parse_filter(config.getoption("dist_subtest"))
+    config.stash[filter_key] = options.check(config)
     if config.getoption("dist_device") == "cuda":
         _check_gpus_visible(config)
     config.stash[settings_key] = PoolSettings(

@@ -187,14 +187,15 @@ def _named(config: pytest.Config, dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check(config: pytest.Config) -> None:
-    """See [Note: Every option value is checked before anything runs]."""
+def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
+    """See [Note: Every option value is checked before anything runs]; returns the
+    parsed ``--subtest`` filter."""
     world_size = config.getoption("dist_world_size")
     if world_size < 1:
         _refuse(config, "dist_world_size", f"needs at least 1 rank, got {world_size}")
     _check_seconds(config, "dist_timeout", minimum_exclusive=True)
     _check_seconds(config, "fail_grace", minimum_exclusive=False)
-    parse_filter(config.getoption("dist_subtest"), _named(config, "dist_subtest"))
+    return parse_filter(config.getoption("dist_subtest"), _named(config, "dist_subtest"))
 
 
 def _check_seconds(config: pytest.Config, dest: str, minimum_exclusive: bool) -> None:
