@@ -164,8 +164,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     result = yield
     if before is not None and search.checked == before:
         pytest.fail(
-            "no example was checked: the test ran no example on the ranks (a hypothesis "
-            "profile without the generate phase, or every example filtered out?)",
+            "no example was checked: hypothesis ran the test, but no drawn example was "
+            "sent to the ranks (does the body set every example aside?)",
             pytrace=False,
         )
     return result
