@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import INNER_DEVICE
 
@@ -142,6 +143,27 @@ def test_device_cuda_without_a_gpu_is_a_usage_error(
         "ERROR: --device cuda: no GPU is visible to this process (CUDA_VISIBLE_DEVICES "
         "entries: []); use --device auto or cpu"
     )
+
+
+TOO_MANY_RANKS = src(
+    """
+    import torch
+
+    class TestTooMany(DistributedTest):
+        world_size = torch.cuda.device_count() + 1
+
+        def test_needs_more(self):
+            record("too many")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (a CUDA run of these tests)")
+def test_device_cuda_and_a_test_needing_more_gpus_errors_instead_of_skipping(inner: Any) -> None:
+    run = inner(TOO_MANY_RANKS, "--device", "cuda")
+    run.result.assert_outcomes(errors=1)
+    assert re.search(r"needs \d+ GPUs but .* owns .* \(--device cuda\)", run.text), run.text
+    assert run.pids() == {}
 
 
 @pytest.mark.parametrize(
