@@ -10,14 +10,15 @@ Usage::
 With two reports the table puts them side by side, each cell ``passed / failed
 / skipped`` for tests and ``ran / failed / skipped`` for subtests.
 
-Subtest counts come from each test's ``subtests`` user property (written by the
-harness); ``--skips`` also lists each skip reason with its count.
+Subtest counts come from each test's ``subtest`` properties (one per subtest,
+``passed [a=1, b=2]``, written by the harness); a ``<skipped>`` element of a
+subtest (message ``subtest [...]: reason``) does not make its test skipped.
+``--skips`` also lists each skip reason of a test with its count.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -34,17 +35,31 @@ def file_of(classname: str) -> str:
     return classname
 
 
+def own_skip(case: ET.Element) -> ET.Element | None:
+    """The test's own ``<skipped>`` element (not one of its subtests')."""
+    for skipped in case.iter("skipped"):
+        if not skipped.get("message", "").startswith("subtest ["):
+            return skipped
+    return None
+
+
 def outcome(case: ET.Element) -> str:
     if case.find("failure") is not None or case.find("error") is not None:
         return "failed"
-    return "skipped" if case.find("skipped") is not None else "passed"
+    return "skipped" if own_skip(case) is not None else "passed"
 
 
 def subtests(case: ET.Element) -> dict[str, int]:
-    for prop in case.iter("property"):
-        if prop.get("name") == "subtests":
-            return ast.literal_eval(prop.get("value", "{}"))
-    return {}
+    outcomes = collections.Counter(
+        prop.get("value", "").split(" ", 1)[0]
+        for prop in case.iter("property")
+        if prop.get("name") == "subtest"
+    )
+    return {
+        "ran": outcomes["passed"] + outcomes["failed"],
+        "failed": outcomes["failed"],
+        "skipped": outcomes["skipped"],
+    }
 
 
 def counts(path: Path) -> tuple[dict[str, collections.Counter[str]], collections.Counter[str]]:
@@ -55,7 +70,7 @@ def counts(path: Path) -> tuple[dict[str, collections.Counter[str]], collections
         result = outcome(case)
         row[result] += 1
         if result == "skipped":
-            reasons[case.find("skipped").get("message", "")] += 1  # type: ignore[union-attr]
+            reasons[own_skip(case).get("message", "")] += 1  # type: ignore[union-attr]
         sub = subtests(case)
         row["sub ran"] += sub.get("ran", 0)
         row["sub failed"] += sub.get("failed", 0)

@@ -129,6 +129,10 @@ class TestFinished:
     deselected: int
     healthy: bool
     leak: str = ""  # what the test left that the rank could not release
+    # Only under a --subtest filter: what the test's run_subtests calls offered
+    # (see [Note: A filter that selects nothing] in harness._controller.report).
+    subtest_space: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    filter_hits: tuple[bool, ...] = ()  # per pair of the filter: matched some combination
 
 
 @dataclass(frozen=True)

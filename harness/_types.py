@@ -51,6 +51,8 @@ class SubtestRecord:
     config: str
     finished: dict[int, SubtestFinished] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    started: float = 0.0  # time.time() when the first rank began it
+    stopped: float = 0.0  # when the last rank finished it (0: never)
 
     def any_failed(self) -> bool:
         failed = any(f.status.is_failed() for f in self.finished.values())

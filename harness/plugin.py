@@ -1,33 +1,53 @@
 """The pytest plugin: options, markers, and the dispatch of distributed tests to rank pools.
 
 Enable it with ``pytest_plugins = ["harness.plugin"]`` in a conftest file or
-``-p harness.plugin`` on the command line.
+``-p harness.plugin`` on the command line; an installed package loads it as a
+``pytest11`` entry point.
+
+[Note: A plugin in every session]
+An entry point is loaded by every pytest session of the environment, most of
+which are not ours. So the plugin adds options whose names cannot clash (see
+``harness._controller.options``), and imports neither torch nor the pools when
+it loads: a session learns what the GPUs are, and imports torch and the
+controller side, only once it collects or runs a distributed test or asks for
+``rank_calls``. A test class can only subclass ``DistributedTest`` after
+``harness.testcase`` is imported, so ``is_distributed`` asks ``sys.modules``
+first and costs a foreign test nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness import hookspec
-from harness._controller.devices import DevicePlan
-from harness._controller.dispatch import PoolManager, TestRequest, run
+from harness._controller import options
+from harness._controller.devices import DevicePlan, visible_gpus
+from harness._controller.pytest_reports import (
+    SessionReporter,
+    placement_properties,
+    report_subtests,
+)
 from harness._controller.report import PoolLeakWarning
-from harness._protocol import RunTest, Status, SubtestCounts
+from harness._protocol import RunTest, Status
 from harness._types import Placement, PoolKey, PoolSettings
-from harness.rank_calls import CallSettings, RankCalls
-from harness.subtests import parse_filter
-from harness.testcase import DistributedTest, declared_world_size
+
+if TYPE_CHECKING:
+    from harness._controller.dispatch import PoolManager, TestRequest
+    from harness.rank_calls import RankCalls
 
 _PG_TIMEOUT_S = 1800.0
 _SEED = 0
 
 plan_key = pytest.StashKey[DevicePlan]()
-manager_key = pytest.StashKey[PoolManager]()
+manager_key = pytest.StashKey["PoolManager"]()
+settings_key = pytest.StashKey[PoolSettings]()
+filter_key = pytest.StashKey[tuple[tuple[str, str], ...]]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
 _deferred_timer_key = pytest.StashKey[object]()
@@ -38,7 +58,7 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspec)
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     parser.addini(
         "harness_isolated_modules",
         "packages whose module and class attributes are restored in the ranks after "
@@ -52,71 +72,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="bool",
         default=False,
     )
-    group = parser.getgroup("distributed", "distributed tests (harness)")
-    group.addoption(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="where ranks run: cuda+nccl when enough GPUs are visible (auto), "
-        "always cpu+gloo (cpu), or cuda only, skipping tests that lack GPUs (cuda). "
-        "Default: auto.",
-    )
-    group.addoption(
-        "--world-size",
-        type=int,
-        default=2,
-        help="ranks for test classes that do not pin world_size. Default: 2.",
-    )
-    group.addoption(
-        "--subtest",
-        default=None,
-        metavar="KEY=VALUE,...",
-        help="run only the subtest combinations matching every pair, e.g. "
-        '--subtest "sharding_strategy=SHARD_GRAD_OP,use_orig_params=True". '
-        "Values are matched as they appear in reports.",
-    )
-    group.addoption(
-        "--dist-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="per-test deadline on the ranks' time (starting a pool is not counted); "
-        "on expiry every rank's Python stack is reported and the ranks are stopped. "
-        "A dist_timeout marker replaces it; pytest-timeout's marker, option or ini "
-        "value also bounds the whole call, pool start included. Default: 600.",
-    )
-    group.addoption(
-        "--fail-grace",
-        type=float,
-        default=2.0,
-        metavar="SECONDS",
-        help="after one rank fails, how long the other ranks have to report their own "
-        "outcome before they are stopped (with their stacks). Default: 2.",
-    )
-    group.addoption(
-        "--check-collectives",
-        action="store_true",
-        default=False,
-        help="run distributed tests in pools started with TORCH_DISTRIBUTED_DEBUG=DETAIL: "
-        "torch compares each collective (op, shapes, dtypes) across ranks before running "
-        "it, so a mismatch fails at once, naming every rank's call, instead of hanging "
-        "until the deadline. Slower per collective; the check_collectives marker does "
-        "this for one test.",
-    )
-    group.addoption(
-        "--map-cuda-to-cpu",
-        action="store_true",
-        default=False,
-        help="on CPU ranks, resolve the CUDA devices tests name (tensor.cuda(), "
-        "module.cuda(), device='cuda', .to('cuda')) to the rank's device, for tests "
-        "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
-    )
-    group.addoption(
-        "--fresh-pool",
-        action="store_true",
-        default=False,
-        help="give every distributed test a fresh pool of ranks instead of reusing one.",
-    )
+    options.add_options(parser, pluginmanager)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> Any:
+    """The short option spellings are added once the initial conftest files have
+    added theirs (see [Note: Option names that cannot clash])."""
+    try:
+        return (yield)
+    finally:
+        options.add_free_aliases(parser, early_config.pluginmanager)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -129,28 +97,56 @@ def pytest_configure(config: pytest.Config) -> None:
         "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
     ):
         config.addinivalue_line("markers", line)
-    config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
-    settings = PoolSettings(
+    config.stash[filter_key] = options.check(config)
+    if config.getoption("dist_device") == "cuda":
+        _check_gpus_visible(config)
+    config.stash[settings_key] = PoolSettings(
         capture_output=config.getoption("capture") != "no",
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
     )
-    config.stash[manager_key] = PoolManager(settings)
-    config.pluginmanager.register(SubtestReporter(config), "harness-subtests")
-    parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
+    reporter = SessionReporter(config, lambda: _pool_line(config))
+    config.pluginmanager.register(reporter, "harness-reporter")
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+def _check_gpus_visible(config: pytest.Config) -> None:
+    visible = visible_gpus()
+    if not visible or _device_count() == 0:
+        options.refuse_cuda_without_gpus(config, visible)
+
+
+def _device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def device_plan(config: pytest.Config) -> DevicePlan:
+    """Which GPUs this process owns, worked out (and torch imported) on first use."""
+    plan = config.stash.get(plan_key, None)
+    if plan is None:
+        plan = config.stash[plan_key] = DevicePlan.detect(config.getoption("dist_device"))
+    return plan
+
+
+def pool_manager(config: pytest.Config) -> PoolManager:
+    manager = config.stash.get(manager_key, None)
+    if manager is None:
+        from harness._controller.dispatch import PoolManager
+
+        manager = config.stash[manager_key] = PoolManager(config.stash[settings_key])
+    return manager
+
+
+def _pool_line(config: pytest.Config) -> str | None:
     controller = bool(getattr(config.option, "numprocesses", 0)) and not hasattr(
         config, "workerinput"
     )
+    if controller or not config.stash.get(distributed_seen_key, False):
+        return None
     manager = config.stash.get(manager_key, None)
-    if manager is None or controller or not config.stash.get(distributed_seen_key, False):
-        return
-    terminalreporter.write_line(
-        f"rank pools: {manager.pools_started} started, "
-        f"{manager.tests_run} distributed tests ran on them"
-    )
+    started, ran = (manager.pools_started, manager.tests_run) if manager else (0, 0)
+    return f"rank pools: {started} started, {ran} distributed tests ran on them"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -167,9 +163,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
     """Runs methods of ``DistributedTest`` subclasses on pooled ranks from a test
     that stays in the pytest process (see [Note: Tests that drive the ranks])."""
+    from harness.rank_calls import CallSettings, RankCalls
+
     config = pytestconfig
     settings = CallSettings(
-        manager=config.stash[manager_key],
+        manager=pool_manager(config),
         timeout_s=float(config.getoption("dist_timeout")),
         grace_s=float(config.getoption("fail_grace")),
         rewrite_asserts=config.getoption("assertmode") == "rewrite",
@@ -179,28 +177,48 @@ def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
     def seen() -> None:
         config.stash[distributed_seen_key] = True
 
-    return RankCalls(settings, config.stash[plan_key].placement, seen)
+    return RankCalls(settings, device_plan(config).placement, seen)
 
 
 def is_distributed(item: pytest.Item) -> bool:
+    """Whether ``item`` is a test method of a ``DistributedTest`` subclass (see
+    [Note: A plugin in every session])."""
     cls = getattr(item, "cls", None)
+    testcase = sys.modules.get("harness.testcase")
     return (
-        isinstance(item, pytest.Function) and cls is not None and issubclass(cls, DistributedTest)
+        testcase is not None
+        and cls is not None
+        and isinstance(item, pytest.Function)
+        and issubclass(cls, testcase.DistributedTest)
     )
 
 
 def world_size_of(item: pytest.Item) -> int:
-    pinned = declared_world_size(item.cls)  # type: ignore[attr-defined]
-    return pinned if pinned is not None else int(item.config.getoption("world_size"))
+    """The ranks ``item`` runs on: its class's ``world_size``, else the option.
+    A class's value below 1 fails the test (an error at setup) naming the class."""
+    from harness.testcase import declared_world_size
+
+    cls = item.cls  # type: ignore[attr-defined]
+    pinned = declared_world_size(cls)
+    if pinned is None:
+        return int(item.config.getoption("dist_world_size"))
+    if pinned < 1:
+        pytest.fail(
+            f"{cls.__qualname__}.world_size is {pinned}: a distributed test needs at least "
+            "1 rank, and a pool of none would run nothing",
+            pytrace=False,
+        )
+    return pinned
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not is_distributed(item):
         return
-    plan = item.config.stash[plan_key]
-    placement = plan.placement(world_size_of(item))
+    placement = device_plan(item.config).placement(world_size_of(item))
     if isinstance(placement, str):
-        pytest.skip(placement)
+        spelled = options.spelling(item.config, options.ALIASES[0])
+        pytest.fail(f"{placement} ({spelled} cuda)", pytrace=False)
+    _check_timeout_marker(item)
     reason = _marker_skip_reason(item, placement) or item.config.hook.pytest_harness_skip_reason(
         item=item, placement=placement
     )
@@ -251,16 +269,21 @@ def _import_error(name: str) -> str | None:
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not is_distributed(pyfuncitem):
         return None
+    from harness._controller.dispatch import run
+
     request = _request(pyfuncitem)
+    pyfuncitem.user_properties.extend(
+        placement_properties(request.key.world_size, request.placement)
+    )
     verdict = run(
-        pyfuncitem.config.stash[manager_key], request, lambda: _start_deferred_timer(pyfuncitem)
+        pool_manager(pyfuncitem.config), request, lambda: _start_deferred_timer(pyfuncitem)
     )
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
     for text in verdict.warnings:
         warnings.warn(PoolLeakWarning(text), stacklevel=1)
     if verdict.counts is not None:
-        pyfuncitem.user_properties.append(("subtests", verdict.counts.as_dict()))
+        report_subtests(pyfuncitem, verdict.subtests, verdict.counts.deselected)
     if verdict.status is Status.FAILED:
         pytest.fail(verdict.text, pytrace=False)
     if verdict.status is Status.SKIPPED:
@@ -287,6 +310,8 @@ def _start_deferred_timer(item: pytest.Item) -> None:
 
 
 def _request(item: pytest.Function) -> TestRequest:
+    from harness._controller.dispatch import TestRequest
+
     config = item.config
     placement = item.stash[placement_key]
     world_size = world_size_of(item)
@@ -301,7 +326,7 @@ def _request(item: pytest.Function) -> TestRequest:
         seed=_SEED,
         sys_path=tuple(sys.path),
         rewrite_asserts=config.getoption("assertmode") == "rewrite",
-        subtest_filter=parse_filter(config.getoption("subtest")),
+        subtest_filter=config.stash[filter_key],
         resume_after=-1,
         map_cuda_to_cpu=maps_cuda_to_cpu(item),
     )
@@ -314,6 +339,7 @@ def _request(item: pytest.Function) -> TestRequest:
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
         wall_limit_s=_wall_limit_s(item),
+        subtest_option=options.spelling(config, options.ALIASES[2]),
     )
 
 
@@ -348,6 +374,20 @@ def _timeout_s(item: pytest.Item) -> float:
     return float(item.config.getoption("dist_timeout"))
 
 
+def _check_timeout_marker(item: pytest.Item) -> None:
+    if item.get_closest_marker("dist_timeout") is None:
+        return
+    try:
+        seconds = _timeout_s(item)
+    except (KeyError, TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        pytest.fail(
+            f"dist_timeout marker: needs a finite number of seconds above 0, got {seconds:g}",
+            pytrace=False,
+        )
+
+
 def _wall_limit_s(item: pytest.Item) -> float | None:
     """Kept below pytest-timeout's own timer, so that the stacks of the ranks
     are reported before it fires."""
@@ -372,41 +412,3 @@ def _pytest_timeout_s(item: pytest.Item) -> float | None:
     except ValueError:
         return None
     return float(ini) if ini not in (None, "") else None
-
-
-class SubtestReporter:
-    """Collects subtest counts per test from reports (also those xdist workers send)
-    and prints them in the terminal summary."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self._config = config
-        self.per_test: dict[str, SubtestCounts] = {}
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when != "call":
-            return
-        for name, value in report.user_properties:
-            if name == "subtests" and isinstance(value, dict):
-                self.per_test[report.nodeid] = SubtestCounts(**value)
-
-    def totals(self) -> SubtestCounts:
-        fields = ("ran", "failed", "skipped", "deselected")
-        sums = {f: sum(getattr(c, f) for c in self.per_test.values()) for f in fields}
-        return SubtestCounts(**sums)
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.per_test:
-            return
-        tr = terminalreporter
-        tr.section("subtests")
-        if self._config.getoption("verbose") > 0:
-            for nodeid, c in self.per_test.items():
-                tr.write_line(
-                    f"{nodeid}: {c.ran} ran, {c.failed} failed, {c.skipped} skipped, "
-                    f"{c.deselected} deselected"
-                )
-        t = self.totals()
-        tr.write_line(
-            f"{len(self.per_test)} tests with subtests: {t.ran} subtests ran, {t.failed} failed, "
-            f"{t.skipped} skipped, {t.deselected} deselected"
-        )

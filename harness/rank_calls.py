@@ -91,11 +91,16 @@ class RankCalls:
         method runs (``setUp`` and ``tearDown`` around it); ``test_class`` is
         defined at module level in an importable file, ``kwargs`` are pickled to
         the ranks. ``timeout_s`` bounds the ranks' time (default:
-        ``--dist-timeout``). Skips the calling test when the ranks cannot run
-        here, as a ``DistributedTest`` would be skipped."""
+        ``--dist-timeout``). Fails the calling test when the ranks cannot run
+        here (``--device cuda`` without enough GPUs), as a ``DistributedTest``
+        would fail."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"world_size must be a whole number of ranks, at least 1: {world_size!r}"
+            )
         placement = self._placement_of(world_size)
         if isinstance(placement, str):
-            pytest.skip(placement)
+            pytest.fail(placement, pytrace=False)
         self._on_call()
         request = TestRequest(
             key=PoolKey(world_size, placement.device_type),
@@ -108,7 +113,7 @@ class RankCalls:
         verdict = run(self._settings.manager, request)
         for text in verdict.warnings:
             warnings.warn(PoolLeakWarning(text), stacklevel=2)
-        return CallOutcome(verdict.status, verdict.text, verdict.outputs)
+        return CallOutcome(verdict.status, verdict.full_text(), verdict.outputs)
 
 
 def _message(

@@ -20,11 +20,11 @@ import enum
 import functools
 import itertools
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import pytest
-import torch
 
 
 class Combination(NamedTuple):
@@ -50,7 +50,8 @@ def render_value(value: object) -> str:
     ``partial(f, args)``, memory addresses dropped from any repr."""
     if isinstance(value, enum.Enum):
         return value.name
-    if isinstance(value, torch.dtype):
+    torch = sys.modules.get("torch")  # a dtype exists only where torch was imported
+    if torch is not None and isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if isinstance(value, functools.partial):
         args = [render_value(value.func), *map(render_value, value.args)]
@@ -65,11 +66,12 @@ def render_config(kwargs: Mapping[str, object]) -> str:
     return ", ".join(f"{key}={render_value(value)}" for key, value in kwargs.items())
 
 
-def parse_filter(text: str | None) -> tuple[tuple[str, str], ...]:
+def parse_filter(text: str | None, option: str = "--subtest") -> tuple[tuple[str, str], ...]:
     """Parses ``--subtest "a=1, b=MixedPrecision(param_dtype=float16, ...)"`` into
     ``(key, value)`` pairs. Commas and ``=`` inside brackets or quotes belong to
     the value, so a configuration pasted from a report parses back. A malformed
-    filter is a usage error naming the part that is wrong."""
+    filter is a usage error naming the option (as ``option`` spells it) and the
+    part that is wrong."""
     if not text:
         return ()
     pairs: list[tuple[str, str]] = []
@@ -81,8 +83,8 @@ def parse_filter(text: str | None) -> tuple[tuple[str, str], ...]:
         key = key_and_value[0].strip()
         if len(key_and_value) != 2 or not key.isidentifier():
             raise pytest.UsageError(
-                f"--subtest expects key=value pairs separated by commas, as a failure report "
-                f'prints them (e.g. --subtest "use_orig_params=True, sharding_strategy='
+                f"{option} expects key=value pairs separated by commas, as a failure report "
+                f'prints them (e.g. {option} "use_orig_params=True, sharding_strategy='
                 f'FULL_SHARD"); this part is not one: {part!r}'
             )
         pairs.append((key, key_and_value[1].strip()))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.plugin import plan_key
+from harness.plugin import device_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # The device the inner sessions of the harness's black-box tests use: the CPU by
@@ -26,16 +26,26 @@ class Run:
 
     def section(self, test: str) -> str:
         """The failure report of one test (the text under its ``____ name ____`` header)."""
-        pattern = re.compile(rf"^_+ \S*{re.escape(test)}(\[\S*\])? _+$", re.M)
-        match = pattern.search(self.text)
-        assert match, f"no report section for {test} in:\n{self.text}"
+        return self._section(rf"^_+ \S*{re.escape(test)}(\[\S*\])? _+$", test)
+
+    def subtest_section(self, test: str, config: str) -> str:
+        """The failure report of one subtest (``____ name [config] ____``)."""
+        header = rf"^_+ \S*{re.escape(test)}(\[\S*\])? \[{re.escape(config)}\] _+$"
+        return self._section(header, f"{test} [{config}]")
+
+    def _section(self, header: str, what: str) -> str:
+        match = re.compile(header, re.M).search(self.text)
+        assert match, f"no report section for {what} in:\n{self.text}"
         rest = self.text[match.end() :]
-        end = re.search(r"^(_{5,} \S+ _{5,}|={8,} .* ={8,}|rank pools: .*)$", rest, re.M)
+        end = re.search(r"^(_+ .+ _+|={8,} .* ={8,}|rank pools: .*)$", rest, re.M)
         return (rest[: end.start()] if end else rest).strip("\n")
 
     def report(self, test: str) -> str:
         """``section(test)`` normalised for a golden text (see ``normalise``)."""
         return normalise(self.section(test), self.path)
+
+    def subtest_report(self, test: str, config: str) -> str:
+        return normalise(self.subtest_section(test, config), self.path)
 
     def pids(self) -> dict[str, list[int]]:
         """PIDs the inner tests recorded, by test name."""
@@ -55,7 +65,7 @@ def inner(
     """Runs an inner pytest session in a subprocess with the harness plugin. Under
     xdist on a GPU machine it sees only this worker's GPUs."""
     pids_file = pytester.path / "pids.txt"
-    owned = request.config.stash[plan_key].gpus
+    owned = device_plan(request.config).gpus
     if INNER_DEVICE != "cpu":
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(owned) if owned else "")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

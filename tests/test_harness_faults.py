@@ -66,12 +66,18 @@ Current thread 0xADDR (most recent call first):
   File "<tmp>/test_inner.py", line 11 in test_skip_on_rank0_only
 """,
     )
-    assert "in all_reduce" in run.section("test_subtest_skipped_on_rank0_only")
+    assert "in all_reduce" in run.subtest_section("test_subtest_skipped_on_rank0_only", "n=1")
     assert_expected_inline(
         run.report("test_subtest_skipped_on_rank0_only"),
         """\
 1 of 3 subtests failed (3 ran, 1 failed, 0 skipped, 0 deselected)
 
+subtest 1 [n=1] failed on no rank (inconsistent skip); re-run it alone with: --subtest "n=1"
+""",
+    )
+    assert_expected_inline(
+        run.subtest_report("test_subtest_skipped_on_rank0_only", "n=1"),
+        """\
 === subtest 1 [n=1]: failed on no rank (inconsistent skip) ===
 re-run it alone with: --subtest "n=1"
 rank 1 was stopped after another rank skipped this subtest; it was blocked here:

@@ -262,6 +262,8 @@ def test_subtests_continue_past_failures_and_report_each(inner):
     assert report.splitlines()[0] == (
         "1 of 6 subtests failed (6 ran, 1 failed, 0 skipped, 0 deselected)"
     )
+    assert 're-run it alone with: --subtest "x=1, flag=True"' in report
+    report = run.subtest_section("test_one_bad_combination", "x=1, flag=True")
     assert "=== subtest 3 [x=1, flag=True]: failed on rank 0, rank 1 ===" in report
     assert "x=1 flag=True is wrong on rank 0" in report
     assert "x=1 flag=True is wrong on rank 1" in report
@@ -269,8 +271,10 @@ def test_subtests_continue_past_failures_and_report_each(inner):
     combos = (run.path / "pids.txt.combos").read_text().split("\n")
     assert "0 2 True" in combos and "1 2 True" in combos  # ran after the failure
 
-    report = run.section("test_peer_blocked_in_a_collective")
-    assert "1 of 4 subtests failed (4 ran, 1 failed" in report
+    assert "1 of 4 subtests failed (4 ran, 1 failed" in run.section(
+        "test_peer_blocked_in_a_collective"
+    )
+    report = run.subtest_section("test_peer_blocked_in_a_collective", "step=1")
     assert "=== subtest 1 [step=1]: failed on rank 1 ===" in report
     assert "rank 0 was stopped after another rank failed this subtest" in report
     assert "in body" in report.split("rank 0 was stopped")[1]

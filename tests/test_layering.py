@@ -41,11 +41,24 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("harness._rank", "harness._controller", "the rank side never needs the controller side"),
 )
 
+_EVERY_SESSION = (
+    "the plugin is in every pytest session of the environment; this needs torch or hypothesis"
+)
+
 # Function-level imports of project modules, and why each is not at the top.
 LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("fsdptest", "fsdptest.testcase"): "pytest imports the package with its plugin, before "
     "--fsdp-impl is known; FSDPTest imports the facade, which resolves the implementation "
     "when first imported",
+    # The plugins load in every pytest session of the environment (pytest11 entry
+    # points): torch, hypothesis and the pools are imported only where a session
+    # uses them (see [Note: A plugin in every session] in harness.plugin).
+    ("harness", "harness.testcase"): _EVERY_SESSION,
+    ("harness", "harness.rank_calls"): _EVERY_SESSION,
+    ("harness.plugin", "harness.testcase"): _EVERY_SESSION,
+    ("harness.plugin", "harness.rank_calls"): _EVERY_SESSION,
+    ("harness.plugin", "harness._controller.dispatch"): _EVERY_SESSION,
+    ("fsdptest.plugin", "fsdptest.properties.search"): _EVERY_SESSION,
 }
 
 

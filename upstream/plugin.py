@@ -9,5 +9,6 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.hookimpl(optionalhook=True)  # the runner's hook: absent under -p no:harness.plugin
 def pytest_harness_isolated_modules(config: pytest.Config) -> list[str]:
     return ["upstream"]

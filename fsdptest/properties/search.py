@@ -19,16 +19,29 @@ under test. Each call has its own deadline (``EXAMPLE_TIMEOUT_S``), so a hang
 costs one example's time, not the test's.
 
 [Note: Budgets]
-Two hypothesis profiles: ``ci`` (the default) is derandomized (its seed comes
-from each test's own code, so every run draws the same examples) with
-``CI_EXAMPLES`` examples per property test and no database; ``deep`` draws
-``DEEP_EXAMPLES`` random examples per test and saves failing ones in the
-hypothesis database (``.hypothesis/`` in the directory pytest runs from),
-which replays them first on the next run. Choose with hypothesis's own
-``--hypothesis-profile deep`` or ``HYPOTHESIS_PROFILE=deep``; the option wins.
-``--property-examples N`` replaces either profile's count (to bound a run's time).
-A failure's report also prints a replay id: ``--replay-example ID`` runs that
-one example again (``test_replay_example``), without hypothesis.
+Two budgets: ``ci`` (the default) is derandomized (its seed comes from each
+test's own code, so every run draws the same examples) with ``CI_EXAMPLES``
+examples per property test and no database; ``deep`` draws ``DEEP_EXAMPLES``
+random examples per test and saves failing ones in the hypothesis database
+(``.hypothesis/`` in the directory pytest runs from), which replays them first
+on the next run. Choose with hypothesis's own ``--hypothesis-profile deep`` or
+``HYPOTHESIS_PROFILE=deep``; the option wins; another profile name means that
+(registered) profile. ``--property-examples N`` replaces the count (to bound a
+run's time). A failure's report also prints a replay id: ``--replay-example ID``
+runs that one example again (``test_replay_example``), without hypothesis.
+
+[Note: Budgets only for the property tests]
+The package's plugin loads in every pytest session of the environment, and
+hypothesis reads its default settings when a test is decorated, so loading a
+profile would change every other project's hypothesis tests (and replace a
+profile a project loaded itself). The budget is therefore never loaded: the
+plugin applies it, as ``@settings`` would, to the tests that use the
+``property_search`` fixture and have no ``@settings`` of their own
+(``apply_budget``). When ``--hypothesis-profile ci`` or ``deep`` asks for one,
+it is also registered as a profile (where no profile has that name yet), so that
+hypothesis accepts the option; loading it that way is the user's choice and
+applies to the session.
+A property test that checked no example fails (``PropertySearch.checked``).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import InvalidArgument
 
 from fsdptest.properties.examples import Example
 from fsdptest.properties.strategies import Target
@@ -53,29 +67,62 @@ _SLOW_IS_EXPECTED = [HealthCheck.too_slow, HealthCheck.data_too_large]
 _PHASES = [p for p in Phase if p is not Phase.explain]
 
 
-def register_profiles(max_examples: int | None = None) -> None:
-    """See [Note: Budgets]; ``max_examples`` replaces both profiles' counts."""
+def budgets(max_examples: int | None = None) -> dict[str, settings]:
+    """The ``ci`` and ``deep`` budgets (see [Note: Budgets]); ``max_examples``
+    replaces both counts."""
     common = settings(
         deadline=None,
         print_blob=True,
         suppress_health_check=_SLOW_IS_EXPECTED,
         phases=_PHASES,
     )
-    settings.register_profile(
-        "ci",
-        common,
-        max_examples=max_examples or CI_EXAMPLES,
-        derandomize=True,
-        database=None,
-    )
-    settings.register_profile(
-        "deep", common, max_examples=max_examples or DEEP_EXAMPLES, derandomize=False
-    )
+    ci = settings(common, max_examples=max_examples or CI_EXAMPLES, derandomize=True, database=None)
+    deep = settings(common, max_examples=max_examples or DEEP_EXAMPLES, derandomize=False)
+    return {"ci": ci, "deep": deep}
+
+
+_REGISTERED: dict[str, settings] = {}  # the budgets this process registered as profiles
+
+
+def register_profiles(max_examples: int | None = None) -> None:
+    """Registers the budgets as profiles where no one else registered those names
+    (see [Note: Budgets only for the property tests])."""
+    for name, budget in budgets(max_examples).items():
+        try:
+            existing = settings.get_profile(name)
+        except InvalidArgument:
+            existing = None
+        if existing is None or existing is _REGISTERED.get(name):
+            settings.register_profile(name, budget)
+            _REGISTERED[name] = settings.get_profile(name)
 
 
 def chosen_profile(option: str | None) -> str:
     """The profile a session uses: hypothesis's option, the environment, else ``ci``."""
     return option or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+
+
+def budget_of(profile: str, max_examples: int | None) -> settings:
+    """The settings the property tests get: this project's budget for ``ci`` and
+    ``deep``, else the registered profile of that name (``max_examples`` replaces
+    the count); verbosity is the session's (``--hypothesis-verbosity``)."""
+    ours = budgets(max_examples)
+    chosen = ours.get(profile) or settings.get_profile(profile)
+    if max_examples and profile not in ours:
+        chosen = settings(chosen, max_examples=max_examples)
+    return settings(chosen, verbosity=settings.default.verbosity)
+
+
+def apply_budget(test: object, budget: settings) -> bool:
+    """Gives a ``@given`` test ``budget`` as ``@settings(budget)`` would, unless it
+    has settings of its own; returns whether it did."""
+    if not getattr(test, "is_hypothesis_test", False):
+        return False
+    try:
+        budget(test)
+    except InvalidArgument:  # its own @settings, or given already
+        return False
+    return True
 
 
 class ExampleFailed(AssertionError):
@@ -89,11 +136,13 @@ class PropertySearch:
     calls: RankCalls
     impl: str
     replay_test: str
+    checked: int  # examples sent to the ranks so far
 
     def __init__(self, calls: RankCalls, impl: str, replay_test: str) -> None:
         self.calls = calls
         self.impl = impl
         self.replay_test = replay_test
+        self.checked = 0
 
     def target(self, world_size: int) -> Target:
         """What examples for ``world_size`` ranks may ask of the FSDP under test."""
@@ -103,6 +152,7 @@ class PropertySearch:
     def check(self, ranks: type[DistributedTest], example: Example) -> None:
         """Runs ``ranks().check(example=example)`` on the example's ranks; raises
         ``ExampleFailed`` unless every rank passed."""
+        self.checked += 1
         outcome = self.calls.run(
             ranks, "check", example.world_size, timeout_s=EXAMPLE_TIMEOUT_S, example=example
         )

@@ -23,6 +23,7 @@ class TestRequest:
     timeout_s: float  # the ranks' time on the test (see run())
     grace_s: float
     wall_limit_s: float | None = None  # pytest-timeout's, less a margin; pool start included
+    subtest_option: str = "--subtest"  # the spelling re-run hints print
 
     def info(self) -> RunInfo:
         return RunInfo(
@@ -30,6 +31,8 @@ class TestRequest:
             self.placement.device_type,
             self.placement.backend,
             self.reported_timeout_s(),
+            self.message.subtest_filter,
+            self.subtest_option,
         )
 
     def reported_timeout_s(self) -> float:
@@ -128,5 +131,5 @@ def _start_failed(attempts: list[Attempt], request: TestRequest, exc: PoolStartE
         return compose(attempts, request.info(), str(exc))
     verdict = compose(attempts, request.info(), None)
     verdict.status = Status.FAILED
-    verdict.text += f"\n\nthe remaining subtests did not run: {exc}\n"
+    verdict.text = verdict.text.rstrip() + f"\n\nthe remaining subtests did not run: {exc}\n"
     return verdict

@@ -394,9 +394,10 @@ class _AttemptDriver:
         if isinstance(message, SubtestStarted):
             result.current_subtest = (message.index, message.config)
             result.deselected = message.deselected
-            self.attempt.subtests.setdefault(
+            record = self.attempt.subtests.setdefault(
                 message.index, SubtestRecord(message.index, message.config)
             )
+            record.started = record.started or time.time()
         elif isinstance(message, SubtestFinished):
             self._on_subtest_finished(rank, message)
         elif isinstance(message, BodyReturned):
@@ -426,6 +427,7 @@ class _AttemptDriver:
             self._failed_subtest = message.index
             self._start_grace()
         if len(record.finished) == len(self._ranks):
+            record.stopped = time.time()
             reply = Proceed(message.index, record.any_failed())
             for proc in self._ranks.values():
                 proc.conn.send(reply)

@@ -1,4 +1,25 @@
-"""Turns what the ranks did into one verdict and one readable failure report."""
+"""Turns what the ranks did into one verdict and one readable failure report.
+
+[Note: Nothing that ran nothing passes]
+A verdict is PASSED only when every rank of a pool of at least one rank finished
+the test body and passed. Zero ranks, a ``--subtest`` filter that selected none
+of a test's combinations, every subtest skipped (the test is then skipped, with
+the first reason) or a subtest skipped on some ranks only (a failure) never end
+as a pass; neither does a test whose ranks never reached the body (a failed pool
+start, a rank that died first) nor a body that only built a coroutine or a
+generator (the ranks raise for that; see ``harness._rank.runner``), nor a
+``run_subtests`` call whose configuration has no combination (the ranks raise).
+
+[Note: A filter that selects nothing]
+Subtest combinations are built inside the ranks, so the pytest process learns
+what a ``--subtest`` filter could have matched only when the test has run: each
+rank reports the keys and values its ``run_subtests`` calls offered and which
+pairs of the filter matched some value. A test that called ``run_subtests`` but
+ran none of its combinations under the filter fails, naming the pairs that
+matched nothing (a misspelt key, a value no combination has) and listing the
+keys and values that exist. A test that never calls ``run_subtests`` runs as
+usual: it has no combination to select.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +38,35 @@ class PoolLeakWarning(UserWarning):
     pooled ranks that the harness could not release; the pool was replaced."""
 
 
+@dataclass(frozen=True)
+class SubtestOutcome:
+    """One subtest's result, reported as a pytest report of its own: ``text`` is
+    its failure report (every failing rank's traceback, stopped ranks' stacks)
+    or its skip reason."""
+
+    index: int
+    config: str
+    status: Status
+    text: str
+    started: float
+    duration_s: float
+
+
 @dataclass
 class Verdict:
     status: Status
-    text: str
+    text: str  # the test's report; failing subtests are listed, their reports are in `subtests`
     counts: SubtestCounts | None
     outputs: dict[int, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    subtests: list[SubtestOutcome] = field(default_factory=list)
+
+    def full_text(self) -> str:
+        """The report with every failing subtest's own report appended."""
+        failed = [s.text.rstrip() for s in self.subtests if s.status.is_failed()]
+        if not failed:
+            return self.text
+        return "\n\n".join([self.text.rstrip(), *failed]) + "\n"
 
 
 @dataclass(frozen=True)
@@ -32,14 +75,21 @@ class RunInfo:
     device_type: str
     backend: str
     timeout_s: float
+    subtest_filter: tuple[tuple[str, str], ...] = ()
+    subtest_option: str = "--subtest"  # how this session spells the option
 
     def describe(self) -> str:
         return f"world_size={self.world_size}, device={self.device_type}, backend={self.backend}"
+
+    def rerun_hint(self, config: str) -> str:
+        return f're-run it alone with: {self.subtest_option} "{config}"'
 
 
 def compose(attempts: Sequence[Attempt], info: RunInfo, start_error: str | None) -> Verdict:
     if start_error is not None:
         return Verdict(Status.FAILED, start_error, None)
+    if not attempts or not attempts[-1].ranks:
+        return Verdict(Status.FAILED, f"no rank ran the test ({info.describe()})\n", None)
     verdict = _judge(attempts, info)
     verdict.warnings = _leak_warnings(attempts)
     return verdict
@@ -49,19 +99,61 @@ def _judge(attempts: Sequence[Attempt], info: RunInfo) -> Verdict:
     final = attempts[-1]
     subtests = _merge_subtests(attempts)
     counts = _count(subtests, attempts) if subtests or _any_deselected(attempts) else None
+    outcomes = [_subtest_outcome(record, info) for record in subtests.values()]
     outputs = _outputs(attempts)
-    sections: list[str] = []
-    if counts is not None and counts.failed:
-        sections.append(_subtest_section(subtests))
-    rank_sections = _rank_sections(final, info, counts)
+    unmatched = _unmatched_filter(final, subtests, info)
     status = _status(final, counts)
-    if status.is_failed():
-        header = _header(final, info, counts)
-        text = "\n\n".join([header, *sections, *rank_sections]).rstrip() + "\n"
-        return Verdict(status, text, counts, outputs)
+    if status.is_failed() or unmatched:
+        parts = [unmatched] if unmatched else []
+        if status.is_failed():
+            parts.append(_header(final, info, counts))
+            if counts is not None and counts.failed:
+                parts.append(_failed_subtests_list(subtests, info))
+            parts.extend(_rank_sections(final, info, counts))
+        text = "\n\n".join(parts).rstrip() + "\n"
+        return Verdict(Status.FAILED, text, counts, outputs, subtests=outcomes)
     if status is Status.SKIPPED:
-        return Verdict(status, _skip_reason(final, subtests), counts, outputs)
-    return Verdict(status, "", counts, outputs)
+        return Verdict(status, _skip_reason(final, subtests), counts, outputs, subtests=outcomes)
+    return Verdict(status, "", counts, outputs, subtests=outcomes)
+
+
+def _subtest_outcome(record: SubtestRecord, info: RunInfo) -> SubtestOutcome:
+    duration = max(0.0, record.stopped - record.started) if record.stopped else 0.0
+    if record.any_failed():
+        status, text = Status.FAILED, _subtest_report(record, info)
+    elif record.all_skipped():
+        status, text = Status.SKIPPED, _first_skip_reason(record)
+    else:
+        status, text = Status.PASSED, ""
+    return SubtestOutcome(record.index, record.config, status, text, record.started, duration)
+
+
+def _first_skip_reason(record: SubtestRecord) -> str:
+    return next(f.text for _, f in sorted(record.finished.items()))
+
+
+def _unmatched_filter(final: Attempt, subtests: dict[int, SubtestRecord], info: RunInfo) -> str:
+    """See [Note: A filter that selects nothing]; "" when there is nothing to say."""
+    if not info.subtest_filter or subtests:
+        return ""
+    reports = [r.finished for r in final.ranks.values() if r.finished is not None]
+    offered = next((f for f in reports if f.subtest_space), None)
+    if offered is None:
+        return ""  # no run_subtests call (or no rank got that far)
+    pairs = ", ".join(f"{k}={v}" for k, v in info.subtest_filter)
+    missing = [
+        f"no subtest has the key {key!r}"
+        if key not in dict(offered.subtest_space)
+        else f"no subtest has {key}={value}"
+        for (key, value), hit in zip(info.subtest_filter, offered.filter_hits)
+        if not hit
+    ] or ["no subtest has all of them together"]
+    keys = "; ".join(f"{k}={', '.join(v)}" for k, v in offered.subtest_space)
+    deselected = final.ranks[min(final.ranks)].deselected_total()
+    return (
+        f'{info.subtest_option} "{pairs}" selected none of the {deselected} subtests of this '
+        f"test: {'; '.join(missing)}\nits subtests' keys and values: {keys}"
+    )
 
 
 def _leak_warnings(attempts: Sequence[Attempt]) -> list[str]:
@@ -190,28 +282,34 @@ def _rank_failed(result: RankResult, counts: SubtestCounts | None) -> bool:
     return finished.status.is_failed()
 
 
-def _subtest_section(subtests: dict[int, SubtestRecord]) -> str:
-    lines: list[str] = []
-    for record in subtests.values():
-        if not record.any_failed():
-            continue
-        if lines:
-            lines.append("")
-        failed_ranks = [r for r, f in sorted(record.finished.items()) if f.status.is_failed()]
-        where = ", ".join(f"rank {r}" for r in failed_ranks)
-        if not where:
-            where = (
-                "no rank (inconsistent skip)"
-                if record.all_skipped() or record.inconsistent_skip()
-                else "no rank reported"
-            )
-        lines.append(f"=== subtest {record.index} [{record.config}]: failed on {where} ===")
-        lines.append(f're-run it alone with: --subtest "{record.config}"')
-        lines.extend(_grouped_tracebacks(record, failed_ranks))
-        if record.inconsistent_skip():
-            lines.append(record.inconsistent_skip())
-        lines.extend(record.notes)
-    return "\n".join(lines)
+def _failed_subtests_list(subtests: dict[int, SubtestRecord], info: RunInfo) -> str:
+    """One line per failing subtest; each has a report of its own."""
+    return "\n".join(
+        f"subtest {record.index} [{record.config}] failed on {_where(record)}; "
+        + info.rerun_hint(record.config)
+        for record in subtests.values()
+        if record.any_failed()
+    )
+
+
+def _where(record: SubtestRecord) -> str:
+    failed_ranks = [r for r, f in sorted(record.finished.items()) if f.status.is_failed()]
+    if failed_ranks:
+        return ", ".join(f"rank {r}" for r in failed_ranks)
+    if record.all_skipped() or record.inconsistent_skip():
+        return "no rank (inconsistent skip)"
+    return "no rank reported"
+
+
+def _subtest_report(record: SubtestRecord, info: RunInfo) -> str:
+    failed_ranks = [r for r, f in sorted(record.finished.items()) if f.status.is_failed()]
+    lines = [f"=== subtest {record.index} [{record.config}]: failed on {_where(record)} ==="]
+    lines.append(info.rerun_hint(record.config))
+    lines.extend(_grouped_tracebacks(record, failed_ranks))
+    if record.inconsistent_skip():
+        lines.append(record.inconsistent_skip())
+    lines.extend(record.notes)
+    return "\n".join(lines) + "\n"
 
 
 def _grouped_tracebacks(record: SubtestRecord, ranks: list[int]) -> list[str]:

@@ -44,6 +44,32 @@ def skip_reason(exc: BaseException) -> str:
     return str(exc)
 
 
+class SubtestSpace:
+    """What the ``run_subtests`` calls of one test offered a ``--subtest`` filter:
+    each key with its values (as reports print them), and which pairs of the
+    filter matched some combination. Kept only while a filter is active."""
+
+    wanted: tuple[tuple[str, str], ...]
+    values: dict[str, dict[str, None]]  # key -> its rendered values, in order
+    hits: list[bool]
+
+    def __init__(self, wanted: tuple[tuple[str, str], ...]) -> None:
+        self.wanted = wanted
+        self.values: dict[str, dict[str, None]] = {}
+        self.hits = [False] * len(wanted)
+
+    def add(self, config: Mapping[str, Sequence[object]]) -> None:
+        for key, values in config.items():
+            seen = self.values.setdefault(key, {})
+            for value in values:
+                seen[subtests.render_value(value)] = None
+                for i, pair in enumerate(self.wanted):
+                    self.hits[i] = self.hits[i] or subtests.matches({key: value}, (pair,))
+
+    def offered(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return tuple((key, tuple(values)) for key, values in self.values.items())
+
+
 @dataclass
 class RankContext:
     """The harness state of one rank for the test that is running."""
@@ -59,6 +85,7 @@ class RankContext:
     next_index: int = 0
     deselected: int = 0
     any_subtest_failed: bool = False
+    space: SubtestSpace | None = None  # under a --subtest filter only
 
     def run_subtests(
         self,
@@ -67,6 +94,10 @@ class RankContext:
         args: tuple[object, ...],
         kwargs: dict[str, object],
     ) -> None:
+        config = _checked_config(config)
+        if self.subtest_filter:
+            self.space = self.space or SubtestSpace(self.subtest_filter)
+            self.space.add(config)
         failed_here = False
         for combo in subtests.combinations(config):
             index = self.next_index
@@ -104,6 +135,20 @@ class RankContext:
         assert isinstance(reply, Proceed) and reply.index == index, reply
         self.any_subtest_failed |= reply.any_failed
         return reply.any_failed
+
+
+def _checked_config(config: Mapping[str, Sequence[object]]) -> dict[str, list[object]]:
+    """The configuration with its values listed; one whose product is empty is an
+    error, not zero subtests that pass (a key without values checks nothing)."""
+    listed = {key: list(values) for key, values in config.items()}
+    empty = [key for key, values in listed.items() if not values]
+    if empty:
+        names = ", ".join(repr(key) for key in empty)
+        raise ValueError(
+            f"run_subtests: {names} {'has' if len(empty) == 1 else 'have'} no values, so the "
+            "configuration has no combination and the call would check nothing"
+        )
+    return listed
 
 
 _CURRENT: RankContext | None = None

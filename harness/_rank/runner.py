@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import sys
 from multiprocessing.connection import Connection
@@ -138,7 +139,11 @@ def run_test(
         status, text, exc_type = _call_test(message, device, baseline)
     finally:
         rank_context.activate(None)
-    subtests_failed, deselected = context.any_subtest_failed, context.deselected
+    subtests_failed, deselected, space = (
+        context.any_subtest_failed,
+        context.deselected,
+        context.space,
+    )
     # On CUDA the body may return with a collective still queued (an NCCL
     # all_reduce does not block the host): the parent learns that the wait
     # below is for device work, not for the test's Python code.
@@ -155,6 +160,8 @@ def run_test(
         deselected=deselected,
         healthy=healthy,
         leak=leak,
+        subtest_space=space.offered() if space is not None else (),
+        filter_hits=tuple(space.hits) if space is not None else (),
     )
 
 
@@ -187,11 +194,23 @@ def _run_with_setup(instance: object, method_name: str, kwargs: dict[str, object
     if setup is not None:
         setup()
     try:
-        method(**kwargs)
+        _never_deferred(method_name, method(**kwargs))
     finally:
         teardown = getattr(instance, "tearDown", None)
         if teardown is not None:
             teardown()
+
+
+def _never_deferred(method_name: str, result: object) -> None:
+    """A body that only builds a coroutine or a generator never ran: that is an
+    error, not a pass (the harness calls test methods, it runs no event loop)."""
+    if inspect.iscoroutine(result) or inspect.isgenerator(result):
+        result.close()
+        kind = "a coroutine (async def)" if inspect.iscoroutine(result) else "a generator"
+        raise TypeError(
+            f"{method_name} returned {kind}, so its body never ran: test methods of a "
+            "DistributedTest are called on the ranks and must run to the end when called"
+        )
 
 
 def _settle(

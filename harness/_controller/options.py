@@ -1,0 +1,219 @@
+"""The runner's command-line options: their names, and the checks of their values.
+
+[Note: Option names that cannot clash]
+The package's plugins are ``pytest11`` entry points, so every pytest session of
+an environment where the package is installed has the runner's options. pytest
+refuses a second option of the same name or destination, so a project whose
+conftest adds its own ``--device`` crashed as soon as the package was
+installed. Each option of the runner therefore has a name of its own
+(``--dist-device``, ``--dist-world-size``, ``--dist-subtest``, ``--dist-timeout``,
+...), and the short spellings that suites, tox and users type (``--device``,
+``--world-size``, ``--subtest``) are aliases added only where no one else
+defines them: after the initial conftest files have added their options (the
+``pytest_load_initial_conftests`` hook wraps their loading), or at once when the
+plugin itself is loaded by a conftest's ``pytest_plugins`` (that conftest has
+then added its options already). Where a project owns ``--device``, its option
+is its own and ``--dist-device`` chooses where our ranks run.
+
+[Note: Every option value is checked before anything runs]
+A value that would make a run check nothing or hang (a world size below 1, a
+negative deadline or grace period, ``--dist-device cuda`` where this process
+sees no GPU) is a usage error at configure time, in one line that names the
+option, instead of a green run, a skip of every test or an error deep inside a
+pool.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from harness.subtests import parse_filter
+
+GROUP = "distributed"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A short spelling of one of the runner's options, added where it is free."""
+
+    name: str  # "--device"
+    canonical: str  # "--dist-device"
+    dest: str
+    attrs: tuple[tuple[str, Any], ...]  # the canonical option's type, choices, default
+
+
+_DEVICE = (("choices", ("auto", "cpu", "cuda")), ("default", "auto"))
+_WORLD_SIZE = (("type", int), ("default", 2))
+_SUBTEST = (("default", None), ("metavar", "KEY=VALUE,..."))
+ALIASES = (
+    Alias("--device", "--dist-device", "dist_device", _DEVICE),
+    Alias("--world-size", "--dist-world-size", "dist_world_size", _WORLD_SIZE),
+    Alias("--subtest", "--dist-subtest", "dist_subtest", _SUBTEST),
+)
+
+# The aliases each session got (by its plugin manager, which lives as long as it).
+_ADDED: weakref.WeakKeyDictionary[object, set[str]] = weakref.WeakKeyDictionary()
+
+
+def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    group = parser.getgroup(GROUP, "distributed tests (harness)")
+    group.addoption(
+        "--dist-device",
+        dest="dist_device",
+        **dict(_DEVICE),
+        help="where ranks run: cuda+nccl when enough GPUs are visible (auto), "
+        "always cpu+gloo (cpu), or cuda only (cuda: a usage error where no GPU is "
+        "visible, and a test needing more GPUs than this process owns fails). "
+        "Default: auto. Also --device, where no other plugin defines it.",
+    )
+    group.addoption(
+        "--dist-world-size",
+        dest="dist_world_size",
+        **dict(_WORLD_SIZE),
+        metavar="N",
+        help="ranks (at least 1) for test classes that do not pin world_size. "
+        "Default: 2. Also --world-size, where no other plugin defines it.",
+    )
+    group.addoption(
+        "--dist-subtest",
+        dest="dist_subtest",
+        **dict(_SUBTEST),
+        help="run only the subtest combinations matching every pair, e.g. "
+        '--dist-subtest "sharding_strategy=SHARD_GRAD_OP,use_orig_params=True". '
+        "Values are matched as they appear in reports; a test whose run_subtests "
+        "calls offer no matching combination fails, listing the keys and values "
+        "they have. Also --subtest, where no other plugin defines it.",
+    )
+    _add_runner_options(group)
+    if _loaded_by_a_conftest(pluginmanager):
+        add_free_aliases(parser, pluginmanager)
+
+
+def _add_runner_options(group: pytest.OptionGroup) -> None:
+    group.addoption(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="per-test deadline (> 0) on the ranks' time (starting a pool is not "
+        "counted); on expiry every rank's Python stack is reported and the ranks are "
+        "stopped. A dist_timeout marker replaces it; pytest-timeout's marker, option or "
+        "ini value also bounds the whole call, pool start included. Default: 600.",
+    )
+    group.addoption(
+        "--fail-grace",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="after one rank fails, how long (>= 0) the other ranks have to report "
+        "their own outcome before they are stopped (with their stacks). Default: 2.",
+    )
+    group.addoption(
+        "--check-collectives",
+        action="store_true",
+        default=False,
+        help="run distributed tests in pools started with TORCH_DISTRIBUTED_DEBUG=DETAIL: "
+        "torch compares each collective (op, shapes, dtypes) across ranks before running "
+        "it, so a mismatch fails at once, naming every rank's call, instead of hanging "
+        "until the deadline. Slower per collective; the check_collectives marker does "
+        "this for one test.",
+    )
+    group.addoption(
+        "--map-cuda-to-cpu",
+        action="store_true",
+        default=False,
+        help="on CPU ranks, resolve the CUDA devices tests name (tensor.cuda(), "
+        "module.cuda(), device='cuda', .to('cuda')) to the rank's device, for tests "
+        "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
+    )
+    group.addoption(
+        "--fresh-pool",
+        action="store_true",
+        default=False,
+        help="give every distributed test a fresh pool of ranks instead of reusing one.",
+    )
+
+
+def _loaded_by_a_conftest(pluginmanager: pytest.PytestPluginManager) -> bool:
+    """Whether a conftest file is already registered: then this plugin came from
+    its ``pytest_plugins``, after ``pytest_load_initial_conftests`` began."""
+    return any(
+        str(getattr(plugin, "__file__", "")).endswith("conftest.py")
+        for plugin in pluginmanager.get_plugins()
+    )
+
+
+def add_free_aliases(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """Adds each alias that no plugin or conftest has taken (see the note)."""
+    added = _ADDED.setdefault(pluginmanager, set())
+    taken = _option_names(parser)
+    group = parser.getgroup(GROUP)
+    for alias in ALIASES:
+        if alias.name in taken or alias.name in added:
+            continue
+        group.addoption(
+            alias.name, dest=alias.dest, **dict(alias.attrs), help=f"the same as {alias.canonical}"
+        )
+        added.add(alias.name)
+
+
+def _option_names(parser: pytest.Parser) -> set[str]:
+    # pytest has no public listing of the options added so far; its groups have
+    # them (the group of ungrouped options is among them from pytest 9 on).
+    groups = [*getattr(parser, "_groups", []), getattr(parser, "_anonymous", None)]
+    return {
+        name
+        for group in groups
+        if group is not None
+        for option in group.options
+        for name in option.names()
+    }
+
+
+def spelling(config: pytest.Config, alias: Alias) -> str:
+    """How this session spells the option: the alias where it was added."""
+    return alias.name if alias.name in _ADDED.get(config.pluginmanager, set()) else alias.canonical
+
+
+def _named(config: pytest.Config, dest: str) -> str:
+    for alias in ALIASES:
+        if alias.dest == dest:
+            return spelling(config, alias)
+    return "--" + dest.replace("_", "-")
+
+
+def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
+    """See [Note: Every option value is checked before anything runs]; returns the
+    parsed ``--subtest`` filter."""
+    world_size = config.getoption("dist_world_size")
+    if world_size < 1:
+        _refuse(config, "dist_world_size", f"needs at least 1 rank, got {world_size}")
+    _check_seconds(config, "dist_timeout", minimum_exclusive=True)
+    _check_seconds(config, "fail_grace", minimum_exclusive=False)
+    return parse_filter(config.getoption("dist_subtest"), _named(config, "dist_subtest"))
+
+
+def _check_seconds(config: pytest.Config, dest: str, minimum_exclusive: bool) -> None:
+    value = float(config.getoption(dest))
+    bad = value <= 0 if minimum_exclusive else value < 0
+    if bad or not math.isfinite(value):
+        bound = "more than 0" if minimum_exclusive else "at least 0"
+        _refuse(config, dest, f"must be a finite number of seconds, {bound}; got {value:g}")
+
+
+def _refuse(config: pytest.Config, dest: str, why: str) -> None:
+    raise pytest.UsageError(f"{_named(config, dest)} {why}")
+
+
+def refuse_cuda_without_gpus(config: pytest.Config, visible: tuple[str, ...]) -> None:
+    """``--dist-device cuda`` where this process sees no GPU would skip everything."""
+    spelled = _named(config, "dist_device")
+    raise pytest.UsageError(
+        f"{spelled} cuda: no GPU is visible to this process "
+        f"(CUDA_VISIBLE_DEVICES entries: {list(visible)}); use {spelled} auto or cpu"
+    )
