@@ -14,8 +14,15 @@ from typing import Any
 import pytest
 
 from harness import hookspec
-from harness._controller.devices import DevicePlan
+from harness._controller.devices import (
+    FALLBACK_PROPERTY,
+    DevicePlan,
+    FallbackReporter,
+    LeaseDirectory,
+    parse_gpu_ids,
+)
 from harness._controller.dispatch import PoolManager, TestRequest, run
+from harness._controller.leases import GpuLeases
 from harness._controller.report import PoolLeakWarning
 from harness._protocol import RunTest, Status, SubtestCounts
 from harness._types import Placement, PoolKey, PoolSettings
@@ -28,6 +35,7 @@ _SEED = 0
 
 plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey[PoolManager]()
+leases_key = pytest.StashKey[tuple[LeaseDirectory, GpuLeases | None]]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
 _deferred_timer_key = pytest.StashKey[object]()
@@ -51,6 +59,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "as --map-cuda-to-cpu, for every distributed test of the session",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "harness_fake_gpus",
+        "comma-separated ids of GPUs that do not exist: tests lease them as GPUs, "
+        "their ranks compute on CPU (for testing the leasing without GPUs)",
+        default="",
     )
     group = parser.getgroup("distributed", "distributed tests (harness)")
     group.addoption(
@@ -112,6 +126,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
     )
     group.addoption(
+        "--gpu-lease-dir",
+        default=None,
+        metavar="DIR",
+        help="lease GPUs through the lock files in DIR, shared with every session "
+        "that names it (two sessions never share a GPU). Default: a directory of "
+        "this session's own.",
+    )
+    group.addoption(
         "--fresh-pool",
         action="store_true",
         default=False,
@@ -129,14 +151,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
     ):
         config.addinivalue_line("markers", line)
-    config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
+    plan = DevicePlan.detect(
+        config.getoption("device"), parse_gpu_ids(config.getini("harness_fake_gpus"))
+    )
+    config.stash[plan_key] = plan
+    directory = LeaseDirectory.for_session(config, config.getoption("gpu_lease_dir"))
+    leases = GpuLeases(directory.path, plan.gpus) if plan.gpus else None
+    config.stash[leases_key] = (directory, leases)
     settings = PoolSettings(
         capture_output=config.getoption("capture") != "no",
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
     )
-    config.stash[manager_key] = PoolManager(settings)
+    config.stash[manager_key] = PoolManager(settings, leases)
     config.pluginmanager.register(SubtestReporter(config), "harness-subtests")
+    config.pluginmanager.register(FallbackReporter(), "harness-fallback")
     parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
 
 
@@ -161,6 +190,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(manager_key, None)
     if manager is not None:
         manager.shutdown()
+    directory, leases = config.stash.get(leases_key, (None, None))
+    if leases is not None:
+        leases.close()
+    if directory is not None:
+        directory.remove()
 
 
 @pytest.fixture(scope="session")
@@ -206,6 +240,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     )
     if reason:
         pytest.skip(reason)
+    if placement.fallback:
+        item.user_properties.append((FALLBACK_PROPERTY, placement.fallback))
     item.stash[placement_key] = placement
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness._controller import stacks
+from harness._controller.devices import LEASED_GPUS_ENV
 from harness._protocol import (
     BodyReturned,
     Probe,
@@ -215,13 +216,16 @@ class RankPool:
         env = {k: os.environ.get(k, v) for k, v in _LOOPBACK_ENV}
         if self.key.check_collectives:
             env[_DEBUG_ENV] = "DETAIL"
+        if self.key.gpus:
+            env[LEASED_GPUS_ENV] = ",".join(self.key.gpus)
+        visible = self.placement.cuda_visible_devices
         return WorkerSpec(
             rank=rank,
             world_size=self.key.world_size,
             backend=self.placement.backend,
             device_type=self.placement.device_type,
             store_port=port,
-            cuda_visible_devices=self.placement.cuda_visible_devices,
+            cuda_visible_devices=",".join(self.key.gpus) if visible is None else visible,
             output_dir=self._tmpdir.name,
             capture_output=self._settings.capture_output,
             parent_pid=os.getpid(),
