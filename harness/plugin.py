@@ -6,10 +6,12 @@ Enable it with ``pytest_plugins = ["harness.plugin"]`` in a conftest file or
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -23,8 +25,9 @@ from harness._controller.devices import (
 )
 from harness._controller.dispatch import PoolManager, TestRequest, run
 from harness._controller.leases import GpuLeases
-from harness._controller.report import PoolLeakWarning
+from harness._controller.report import PoolLeakWarning, Verdict
 from harness._protocol import RunTest, Status, SubtestCounts
+from harness._torchrun.session import TorchrunSession
 from harness._types import Placement, PoolKey, PoolSettings
 from harness.rank_calls import CallSettings, RankCalls
 from harness.subtests import parse_filter
@@ -36,6 +39,17 @@ _SEED = 0
 plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey[PoolManager]()
 leases_key = pytest.StashKey[tuple[LeaseDirectory, GpuLeases | None]]()
+
+
+class Dispatch(NamedTuple):
+    """Where distributed tests run: the harness's pools, or torchrun's ranks."""
+
+    placement: Callable[[int], Placement | str]
+    run: Callable[[TestRequest, Callable[[], None]], Verdict]
+    launcher: str
+
+
+dispatch_key = pytest.StashKey[Dispatch]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
 _deferred_timer_key = pytest.StashKey[object]()
@@ -126,6 +140,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
     )
     group.addoption(
+        "--launcher",
+        choices=("spawn", "torchrun"),
+        default="spawn",
+        help="who starts the ranks: the harness's own pools (spawn), or torchrun, "
+        "which started this pytest process as one rank (see the README's "
+        '"Across hosts: torchrun"). Default: spawn.',
+    )
+    group.addoption(
         "--gpu-lease-dir",
         default=None,
         metavar="DIR",
@@ -155,15 +177,25 @@ def pytest_configure(config: pytest.Config) -> None:
         config.getoption("device"), parse_gpu_ids(config.getini("harness_fake_gpus"))
     )
     config.stash[plan_key] = plan
+    torchrun = config.getoption("launcher") == "torchrun"
     directory = LeaseDirectory.for_session(config, config.getoption("gpu_lease_dir"))
-    leases = GpuLeases(directory.path, plan.gpus) if plan.gpus else None
+    leases = GpuLeases(directory.path, plan.gpus) if plan.gpus and not torchrun else None
     config.stash[leases_key] = (directory, leases)
     settings = PoolSettings(
         capture_output=config.getoption("capture") != "no",
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
     )
-    config.stash[manager_key] = PoolManager(settings, leases)
+    manager = PoolManager(settings, leases)
+    config.stash[manager_key] = manager
+    if torchrun:
+        session = TorchrunSession.start(config, settings, is_distributed)
+        config.pluginmanager.register(session, "harness-torchrun")
+        config.stash[dispatch_key] = Dispatch(session.placement, session.run, "torchrun")
+    else:
+        config.stash[dispatch_key] = Dispatch(
+            plan.placement, functools.partial(run, manager), "spawn"
+        )
     config.pluginmanager.register(SubtestReporter(config), "harness-subtests")
     config.pluginmanager.register(FallbackReporter(), "harness-fallback")
     parse_filter(config.getoption("subtest"))  # fail early on a malformed filter
@@ -176,6 +208,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     manager = config.stash.get(manager_key, None)
     if manager is None or controller or not config.stash.get(distributed_seen_key, False):
         return
+    if config.stash[dispatch_key].launcher == "torchrun":
+        return  # no pools: the torchrun session's own summary says what ran
     terminalreporter.write_line(
         f"rank pools: {manager.pools_started} started, "
         f"{manager.tests_run} distributed tests ran on them"
@@ -202,6 +236,8 @@ def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
     """Runs methods of ``DistributedTest`` subclasses on pooled ranks from a test
     that stays in the pytest process (see [Note: Tests that drive the ranks])."""
     config = pytestconfig
+    if config.stash[dispatch_key].launcher == "torchrun":
+        pytest.skip("rank_calls starts the harness's own pools: run it without --launcher torchrun")
     settings = CallSettings(
         manager=config.stash[manager_key],
         timeout_s=float(config.getoption("dist_timeout")),
@@ -231,8 +267,7 @@ def world_size_of(item: pytest.Item) -> int:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not is_distributed(item):
         return
-    plan = item.config.stash[plan_key]
-    placement = plan.placement(world_size_of(item))
+    placement = item.config.stash[dispatch_key].placement(world_size_of(item))
     if isinstance(placement, str):
         pytest.skip(placement)
     reason = _marker_skip_reason(item, placement) or item.config.hook.pytest_harness_skip_reason(
@@ -288,9 +323,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not is_distributed(pyfuncitem):
         return None
     request = _request(pyfuncitem)
-    verdict = run(
-        pyfuncitem.config.stash[manager_key], request, lambda: _start_deferred_timer(pyfuncitem)
-    )
+    dispatch = pyfuncitem.config.stash[dispatch_key]
+    verdict = dispatch.run(request, lambda: _start_deferred_timer(pyfuncitem))
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
     for text in verdict.warnings:

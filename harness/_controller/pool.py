@@ -462,17 +462,19 @@ class _AttemptDriver:
             proc = self._ranks[rank]
             self.attempt.ranks[rank].stopped_stack = proc.dump_stack()
         if not self.attempt.timed_out and self._failed_subtest is not None:
-            self._note_stragglers(self._failed_subtest)
+            note_stragglers(self.attempt, self._failed_subtest)
             self.attempt.restart_after = self._failed_subtest
         self._pending.clear()
 
-    def _note_stragglers(self, index: int) -> None:
-        record = self.attempt.subtests[index]
-        for rank, result in self.attempt.ranks.items():
-            if result.stopped_stack is not None and rank not in record.finished:
-                stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
-                how = "skipped" if record.all_skipped() else "failed"
-                record.notes.append(
-                    f"rank {rank} was stopped after another rank {how} this subtest; "
-                    f"it was blocked here:\n{stack}"
-                )
+
+def note_stragglers(attempt: Attempt, index: int) -> None:
+    """Notes, on subtest ``index``, the stacks of the ranks stopped before finishing it."""
+    record = attempt.subtests[index]
+    for rank, result in attempt.ranks.items():
+        if result.stopped_stack is not None and rank not in record.finished:
+            stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
+            how = "skipped" if record.all_skipped() else "failed"
+            record.notes.append(
+                f"rank {rank} was stopped after another rank {how} this subtest; "
+                f"it was blocked here:\n{stack}"
+            )

@@ -111,15 +111,21 @@ class StateBaseline:
     environ: dict[str, str]
     default_dtype: torch.dtype
     owned_prefixes: tuple[str, ...] = ()
+    unmanaged_environ: tuple[str, ...] = ()  # variables a test may leave as they are
     namespaces: dict[int, _NamespaceSnapshot] = field(default_factory=dict)
     extra_modules: set[str] = field(default_factory=set)
     _modules_seen: int = 0
 
     @classmethod
-    def capture(cls, owned_prefixes: tuple[str, ...]) -> StateBaseline:
+    def capture(
+        cls, owned_prefixes: tuple[str, ...], unmanaged_environ: tuple[str, ...] = ()
+    ) -> StateBaseline:
         """``owned_prefixes``: packages whose every module and class attribute is
-        restored (``harness.plugin.isolated_modules``)."""
-        baseline = cls(dict(os.environ), torch.get_default_dtype(), owned_prefixes)
+        restored (``harness.plugin.isolated_modules``); ``unmanaged_environ``:
+        variables left alone (pytest's own, where the test runs in its process)."""
+        baseline = cls(
+            dict(os.environ), torch.get_default_dtype(), owned_prefixes, unmanaged_environ
+        )
         baseline.track_new_modules()
         return baseline
 
@@ -175,9 +181,10 @@ class StateBaseline:
 
     def _restore_environ(self) -> None:
         for key in [k for k in os.environ if k not in self.environ]:
-            del os.environ[key]
+            if key not in self.unmanaged_environ:
+                del os.environ[key]
         for key, value in self.environ.items():
-            if os.environ.get(key) != value:
+            if key not in self.unmanaged_environ and os.environ.get(key) != value:
                 os.environ[key] = value
 
 

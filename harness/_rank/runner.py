@@ -45,7 +45,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
             _shutdown_process_group()
             return 0
         if isinstance(message, Probe):
-            conn.send(ProbeResult(spec.rank, _probe_default_group(device)))
+            conn.send(ProbeResult(spec.rank, probe_default_group(device)))
             continue
         assert isinstance(message, RunTest), message
         outcome = run_test(message, spec, device, conn, baseline, leaks)
@@ -55,7 +55,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
 _PROBE_WAIT = datetime.timedelta(seconds=5)
 
 
-def _probe_default_group(device: torch.device) -> bool:
+def probe_default_group(device: torch.device) -> bool:
     """Every rank all-reduces its rank + 1: in step, each gets the same known sum."""
     world_size = dist.get_world_size()
     value = torch.full((1,), float(dist.get_rank() + 1), device=device)
@@ -77,7 +77,7 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
         device = torch.device("cuda", spec.rank)
     else:
         device = torch.device("cpu")
-        _one_thread_per_rank()
+        one_thread_per_rank()
     store = dist.TCPStore(
         "127.0.0.1",
         spec.store_port,
@@ -96,7 +96,7 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
     return device
 
 
-def _one_thread_per_rank() -> None:
+def one_thread_per_rank() -> None:
     """[Note: CPU threads per rank]
     Every rank of every xdist worker computes on the same cores; torch's default
     of one intra-op thread per core would run ranks x workers x cores threads on
