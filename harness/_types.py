@@ -16,6 +16,8 @@ class PoolSettings:
     capture_output: bool
     pg_timeout_s: float
     isolated_modules: tuple[str, ...]  # see harness.plugin.isolated_modules
+    release_cached_memory: bool = False  # other processes may lease the pools' GPUs
+    profile_dir: str | None = None  # --rank-profile
 
 
 class PoolKey(NamedTuple):

@@ -11,6 +11,7 @@ import importlib
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -156,6 +157,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "this session's own.",
     )
     group.addoption(
+        "--rank-profile",
+        default=None,
+        metavar="DIR",
+        help="write a cProfile of every distributed test on every rank, and the pools' "
+        "start times, to DIR (bench/nccl_test_cost.py summarises them).",
+    )
+    group.addoption(
         "--fresh-pool",
         action="store_true",
         default=False,
@@ -185,6 +193,8 @@ def pytest_configure(config: pytest.Config) -> None:
         capture_output=config.getoption("capture") != "no",
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
+        release_cached_memory=leases is not None and directory.shared(config),
+        profile_dir=_profile_dir(config),
     )
     manager = PoolManager(settings, leases)
     config.stash[manager_key] = manager
@@ -278,6 +288,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if placement.fallback:
         item.user_properties.append((FALLBACK_PROPERTY, placement.fallback))
     item.stash[placement_key] = placement
+
+
+def _profile_dir(config: pytest.Config) -> str | None:
+    given = config.getoption("rank_profile")
+    if given is None:
+        return None
+    path = Path(given).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def isolated_modules(config: pytest.Config) -> tuple[str, ...]:

@@ -107,14 +107,15 @@ class DevicePlan:
 class LeaseDirectory:
     """Where the session's lease files live, and who removes them (see the note)."""
 
-    def __init__(self, path: Path, owned: bool) -> None:
+    def __init__(self, path: Path, owned: bool, given: bool = False) -> None:
         self.path = path
         self.owned = owned  # this process removes the directory at the end
+        self.given = given  # named by --gpu-lease-dir: other sessions may share it
 
     @classmethod
     def for_session(cls, config: pytest.Config, given: str | None) -> LeaseDirectory:
         if given:
-            return cls(Path(given), owned=False)
+            return cls(Path(given), owned=False, given=True)
         root = Path(tempfile.gettempdir()) / f"harness-gpu-leases-{os.getuid()}"
         workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
         if workerinput is not None:
@@ -124,6 +125,12 @@ class LeaseDirectory:
                 config.option.testrunuid = uuid.uuid4().hex
             return cls(root / config.option.testrunuid, owned=True)
         return cls(root / uuid.uuid4().hex, owned=True)
+
+    def shared(self, config: pytest.Config) -> bool:
+        """Whether other pytest processes may lease these GPUs: the workers of an
+        xdist session, or sessions sharing a directory given to them."""
+        workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+        return self.given or int(workerinput.get("workercount", 1)) > 1
 
     def remove(self) -> None:
         if self.owned:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from harness._controller.leases import GpuLeases
 from harness._controller.pool import PoolStartError, RankPool
@@ -90,11 +93,21 @@ class PoolManager:
             self._settings,
         )
         self.pools_started += 1
+        started = time.monotonic()
         pool.start(request.message.sys_path)
+        self._note_start(pool, time.monotonic() - started)
         if not request.fresh_pool:
             self._pools[request.key] = pool
             self._evict_idle_leased()
         return pool
+
+    def _note_start(self, pool: RankPool, seconds: float) -> None:
+        """With --rank-profile, how long each pool took to start."""
+        if self._settings.profile_dir is None:
+            return
+        line = json.dumps({"key": list(pool.key), "seconds": round(seconds, 4), "pid": os.getpid()})
+        with open(Path(self._settings.profile_dir) / "pool-starts.jsonl", "a") as f:
+            f.write(line + "\n")
 
     def _evict_idle_leased(self) -> None:
         leased = [key for key in self._pools if key.gpus]

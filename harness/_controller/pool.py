@@ -233,6 +233,8 @@ class RankPool:
             env=tuple(sorted(env.items())),
             pg_timeout_s=self._settings.pg_timeout_s,
             isolated_modules=self._settings.isolated_modules,
+            release_cached_memory=self._settings.release_cached_memory,
+            profile_dir=self._settings.profile_dir,
         )
 
     def _await_ready(self) -> None:

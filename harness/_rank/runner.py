@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 from multiprocessing.connection import Connection
@@ -25,6 +26,7 @@ from harness._rank import context as rank_context
 from harness._rank.cuda_mapping import mapped
 from harness._rank.importer import import_test_module, resolve_qualname
 from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
+from harness._rank.profiling import profiled
 
 
 def pg_timeout(seconds: float) -> datetime.timedelta:
@@ -48,7 +50,11 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
             conn.send(ProbeResult(spec.rank, probe_default_group(device)))
             continue
         assert isinstance(message, RunTest), message
-        outcome = run_test(message, spec, device, conn, baseline, leaks)
+        outcome = profiled(
+            spec.profile_dir,
+            f"{message.nodeid}.rank{spec.rank}",
+            functools.partial(run_test, message, spec, device, conn, baseline, leaks),
+        )
         conn.send(outcome)
 
 
@@ -146,7 +152,7 @@ def run_test(
     del context  # a test's objects must be unreachable before the leak check
     healthy = _settle(device, groups, before, baseline)
     leak = leaks.check(groups.destroyed) if healthy else ""
-    if healthy and device.type == "cuda":
+    if healthy and device.type == "cuda" and spec.release_cached_memory:
         # The pool idles on GPUs that another worker may lease next (see [Note:
         # GPUs under pytest-xdist] in harness._controller.devices): the test's
         # tensors are collected now, and the allocator gives its cache back.

@@ -23,6 +23,7 @@ from harness._controller.dispatch import TestRequest
 from harness._controller.report import Verdict, compose
 from harness._protocol import Status, TestFinished, WorkerSpec
 from harness._rank.isolation import LeakCheck, StateBaseline
+from harness._rank.profiling import profiled
 from harness._rank.runner import one_thread_per_rank, probe_default_group, run_test
 from harness._torchrun.env import NotUnderTorchrun, TorchrunEnv
 from harness._torchrun.exchange import Exchange, Heartbeat
@@ -273,8 +274,11 @@ class TorchrunSession:
 
     def _run_test(self, request: TestRequest, channel: Any) -> TestFinished:
         assert self._baseline is not None and self._leaks is not None
-        return run_test(
-            request.message, self._spec(), self.device, channel, self._baseline, self._leaks
+        spec, baseline, leaks = self._spec(), self._baseline, self._leaks
+        return profiled(
+            spec.profile_dir,
+            f"{request.message.nodeid}.rank{spec.rank}",
+            lambda: run_test(request.message, spec, self.device, channel, baseline, leaks),
         )
 
     def _spec(self) -> WorkerSpec:
@@ -292,6 +296,7 @@ class TorchrunSession:
             env=(),
             pg_timeout_s=self._settings.pg_timeout_s,
             isolated_modules=self._settings.isolated_modules,
+            profile_dir=self._settings.profile_dir,
         )
 
     def _after(
