@@ -105,3 +105,23 @@ def test_two_torchrun_agents_report_the_failing_rank(tmp_path: Path):
     # rank 0 also ran the test that is not distributed; rank 1 deselected it
     assert "3 failed, 6 passed, 1 skipped" in rank0, rank0
     assert "3 failed, 5 passed, 1 skipped, 1 deselected" in rank1, rank1
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        ((), "--launcher torchrun needs the environment torchrun gives its workers; RANK,"),
+        (("-n", "2"), "--launcher torchrun runs one pytest session per rank: leave out -n"),
+    ],
+)
+def test_launcher_torchrun_outside_torchrun_is_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], error: str
+):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--launcher", "torchrun", *args
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {error}*"])

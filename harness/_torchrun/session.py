@@ -184,6 +184,10 @@ class TorchrunSession:
             outcome = f"failed in setup:\n{report.longreprtext}"
         self.exchange.for_test(report.nodeid).put_mine("setup", outcome)
 
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        assert self.exchange is not None
+        self.exchange.store.add(f"progress/{self.env.rank}", 1)
+
     def pytest_runtest_teardown(self, item: pytest.Item) -> None:
         if self.wedged:
             item.session.shouldfail = f"torchrun session stopped: {self.wedged}"
@@ -195,8 +199,7 @@ class TorchrunSession:
             self.exchange.put("exitstatus", int(exitstatus))
             self._exitstatus = int(exitstatus)
             return
-        until = time.monotonic() + _SETUP_S
-        while not self.exchange.has("exitstatus") and time.monotonic() < until:
+        while not self.exchange.has("exitstatus"):  # rank 0 may run tests of its own
             if 0 in self._gone():
                 return
             time.sleep(0.05)
@@ -249,7 +252,7 @@ class TorchrunSession:
         self.tests_run += 1
         info = request.info()
         test = self.exchange.for_test(request.message.nodeid)
-        setups = test.gather("setup", time.monotonic() + request.timeout_s, self._gone)
+        setups = self._await_setups(test, request.timeout_s)
         problem = _setup_problem(setups, self.env.world_size)
         if problem:
             return Verdict(Status.FAILED, f"{problem} ({info.describe()})\n", None)
@@ -271,6 +274,26 @@ class TorchrunSession:
             )
         self._after(test, request.message.nodeid, ends, verdict, supervisor)
         return verdict
+
+    def _await_setups(self, test: Exchange, idle_s: float) -> dict[int, str]:
+        """Every rank's setup outcome. A rank may be late: rank 0 also runs the
+        tests that are not distributed. It is waited for while it goes on with
+        tests (``progress``), up to ``idle_s`` after its last one started."""
+        assert self.exchange is not None
+        seen: dict[int, tuple[bytes, float]] = {}
+        while True:
+            got = test.gather("setup", time.monotonic() + 1.0, self._gone)
+            missing = set(range(self.env.world_size)) - set(got)
+            if not missing or missing <= self._gone():
+                return got
+            now = time.monotonic()
+            for rank in missing:
+                key = f"progress/{rank}"
+                count = self.exchange.store.get(key) if self.exchange.has(key) else b""
+                if rank not in seen or seen[rank][0] != count:
+                    seen[rank] = (count, now)
+            if all(now - seen[rank][1] > idle_s for rank in missing):
+                return got
 
     def _run_test(self, request: TestRequest, channel: Any) -> TestFinished:
         assert self._baseline is not None and self._leaks is not None

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import queue
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,6 +57,15 @@ class RankEnd:
 @dataclass
 class _Done:
     future: Future[TestFinished]
+
+
+def _finished(future: Future[TestFinished], rank: int) -> TestFinished:
+    """What run_test returned (it reports a test's errors), or its own error."""
+    error = future.exception()
+    if error is None:
+        return future.result()
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return TestFinished(rank, Status.FAILED, text, type(error).__name__, False, 0, healthy=False)
 
 
 @dataclass
@@ -127,7 +137,7 @@ class Supervisor:
         elif isinstance(message, BodyReturned):
             self.end.body_returned = message.status
         elif isinstance(message, _Done):
-            self.end.finished = message.future.result()  # run_test reports, never raises
+            self.end.finished = _finished(message.future, self.exchange.rank)
             self.end.current_subtest = None
             if self.end.finished.status is not Status.PASSED:
                 self.exchange.put("failed/test", self.exchange.rank)
