@@ -44,6 +44,8 @@ class WorkerSpec:
     env: tuple[tuple[str, str], ...]
     pg_timeout_s: float
     isolated_modules: tuple[str, ...]
+    release_cached_memory: bool = False  # empty CUDA's cache after each test
+    profile_dir: str | None = None  # a cProfile of each test goes there
 
 
 @dataclass(frozen=True)

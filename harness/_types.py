@@ -16,18 +16,28 @@ class PoolSettings:
     capture_output: bool
     pg_timeout_s: float
     isolated_modules: tuple[str, ...]  # see harness.plugin.isolated_modules
+    release_cached_memory: bool = False  # other processes may lease the pools' GPUs
+    profile_dir: str | None = None  # --rank-profile
 
 
 class PoolKey(NamedTuple):
     world_size: int
     device_type: str
     check_collectives: bool = False  # see [Note: Checking collectives] in harness.plugin
+    gpus: tuple[str, ...] = ()  # the leased GPUs the pool runs on (see harness._controller.devices)
 
 
 class Placement(NamedTuple):
+    """Where a test's ranks run. ``cuda_visible_devices`` is what the ranks see:
+    None for the GPUs of the test's lease, "" for none. ``lease`` is how many GPUs
+    the test leases (0: none); ``fallback`` says why a test that would have run on
+    GPUs runs on CPU ranks."""
+
     device_type: str
     backend: str
     cuda_visible_devices: str | None
+    lease: int = 0
+    fallback: str = ""
 
 
 @dataclass

@@ -12,28 +12,44 @@ it loads: a session learns what the GPUs are, and imports torch and the
 controller side, only once it collects or runs a distributed test or asks for
 ``rank_calls``. A test class can only subclass ``DistributedTest`` after
 ``harness.testcase`` is imported, so ``is_distributed`` asks ``sys.modules``
-first and costs a foreign test nothing.
+first and costs a foreign test nothing. What configuring costs such a session
+is the options' checks and the name of a lease directory (nothing is created
+on disk until a test leases a GPU).
+
+[Note: Two launchers]
+Distributed tests run where the session's ``Dispatch`` says: on the harness's
+own pools (``spawn``: placements from the device plan, GPUs leased per test), or
+on the ranks torchrun started (``--dist-launcher torchrun``, see
+``harness._torchrun``: one pytest session per rank, the test run in-process).
+Both produce the same ``Verdict``, so everything after it is shared: the
+placement properties and ``-v`` word, subtests as reports, the no-vacuous-pass
+checks of ``harness._controller.report`` and the summary, to which each
+dispatch adds what its process started (pools, or the torchrun rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import math
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
 from harness import hookspec
 from harness._controller import options
-from harness._controller.devices import DevicePlan, visible_gpus
+from harness._controller.devices import DevicePlan, LeaseDirectory, visible_gpus
+from harness._controller.leases import GpuLeases
 from harness._controller.pytest_reports import (
     SessionReporter,
     placement_properties,
     report_subtests,
 )
-from harness._controller.report import PoolLeakWarning
+from harness._controller.report import PoolLeakWarning, Verdict
 from harness._protocol import RunTest, Status
 from harness._types import Placement, PoolKey, PoolSettings
 
@@ -48,6 +64,20 @@ plan_key = pytest.StashKey[DevicePlan]()
 manager_key = pytest.StashKey["PoolManager"]()
 settings_key = pytest.StashKey[PoolSettings]()
 filter_key = pytest.StashKey[tuple[tuple[str, str], ...]]()
+lease_dir_key = pytest.StashKey[LeaseDirectory]()
+leases_key = pytest.StashKey["GpuLeases | None"]()
+
+
+class Dispatch(NamedTuple):
+    """Where distributed tests run (see [Note: Two launchers])."""
+
+    placement: Callable[[int], Placement | str]  # a str: why none fits
+    run: Callable[[TestRequest, Callable[[], None]], Verdict]
+    started: Callable[[], list[str]]  # summary lines: what this process started
+    launcher: str  # "spawn" | "torchrun"
+
+
+dispatch_key = pytest.StashKey[Dispatch]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
 _deferred_timer_key = pytest.StashKey[object]()
@@ -71,6 +101,12 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         "as --map-cuda-to-cpu, for every distributed test of the session",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "harness_fake_gpus",
+        "comma-separated ids of GPUs that do not exist: tests lease them as GPUs, "
+        "their ranks compute on CPU (for testing the leasing without GPUs)",
+        default="",
     )
     options.add_options(parser, pluginmanager)
 
@@ -98,15 +134,36 @@ def pytest_configure(config: pytest.Config) -> None:
     ):
         config.addinivalue_line("markers", line)
     config.stash[filter_key] = options.check(config)
-    if config.getoption("dist_device") == "cuda":
+    if config.getoption("dist_device") == "cuda" and not options.fake_gpus(config):
         _check_gpus_visible(config)
-    config.stash[settings_key] = PoolSettings(
+    profile_dir = options.directory(config, "rank_profile")
+    settings = config.stash[settings_key] = PoolSettings(
         capture_output=config.getoption("capture") != "no",
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
+        profile_dir=str(profile_dir) if profile_dir is not None else None,
     )
-    reporter = SessionReporter(config, lambda: _pool_line(config))
+    if config.getoption("dist_launcher") == "torchrun":
+        config.stash[dispatch_key] = _torchrun_dispatch(config, settings)
+    else:
+        given = options.directory(config, "gpu_lease_dir")
+        config.stash[lease_dir_key] = LeaseDirectory.for_session(config, given)
+        config.stash[dispatch_key] = Dispatch(
+            lambda world_size: device_plan(config).placement(world_size),
+            functools.partial(_run_on_pools, config),
+            functools.partial(_pool_lines, config),
+            "spawn",
+        )
+    reporter = SessionReporter(config, lambda: config.stash[dispatch_key].started())
     config.pluginmanager.register(reporter, "harness-reporter")
+
+
+def _torchrun_dispatch(config: pytest.Config, settings: PoolSettings) -> Dispatch:
+    from harness._torchrun.session import TorchrunSession
+
+    session = TorchrunSession.start(config, settings, is_distributed)
+    config.pluginmanager.register(session, "harness-torchrun")
+    return Dispatch(session.placement, session.run, session.summary_lines, "torchrun")
 
 
 def _check_gpus_visible(config: pytest.Config) -> None:
@@ -122,31 +179,56 @@ def _device_count() -> int:
 
 
 def device_plan(config: pytest.Config) -> DevicePlan:
-    """Which GPUs this process owns, worked out (and torch imported) on first use."""
+    """Which GPUs the session's tests lease, worked out (and torch imported) on
+    first use (see [Note: GPUs under pytest-xdist] in harness._controller.devices)."""
     plan = config.stash.get(plan_key, None)
     if plan is None:
-        plan = config.stash[plan_key] = DevicePlan.detect(config.getoption("dist_device"))
+        requested = config.getoption("dist_device")
+        plan = DevicePlan.detect(requested, options.fake_gpus(config))
+        config.stash[plan_key] = plan
     return plan
 
 
+def lease_directory(config: pytest.Config) -> LeaseDirectory:
+    """Where the session's GPU leases are (the harness's own tests share it with
+    their inner sessions)."""
+    return config.stash[lease_dir_key]
+
+
 def pool_manager(config: pytest.Config) -> PoolManager:
+    """This process's pools, and the leases of the GPUs they run on, on first use."""
     manager = config.stash.get(manager_key, None)
     if manager is None:
         from harness._controller.dispatch import PoolManager
 
-        manager = config.stash[manager_key] = PoolManager(config.stash[settings_key])
+        plan, directory = device_plan(config), lease_directory(config)
+        leases = GpuLeases(directory.path, plan.gpus) if plan.gpus else None
+        config.stash[leases_key] = leases
+        settings = dataclasses.replace(
+            config.stash[settings_key],
+            release_cached_memory=leases is not None and directory.shared(config),
+        )
+        manager = config.stash[manager_key] = PoolManager(settings, leases)
     return manager
 
 
-def _pool_line(config: pytest.Config) -> str | None:
+def _run_on_pools(
+    config: pytest.Config, request: TestRequest, on_ready: Callable[[], None]
+) -> Verdict:
+    from harness._controller.dispatch import run
+
+    return run(pool_manager(config), request, on_ready)
+
+
+def _pool_lines(config: pytest.Config) -> list[str]:
     controller = bool(getattr(config.option, "numprocesses", 0)) and not hasattr(
         config, "workerinput"
     )
     if controller or not config.stash.get(distributed_seen_key, False):
-        return None
+        return []
     manager = config.stash.get(manager_key, None)
     started, ran = (manager.pools_started, manager.tests_run) if manager else (0, 0)
-    return f"rank pools: {started} started, {ran} distributed tests ran on them"
+    return [f"rank pools: {started} started, {ran} distributed tests ran on them"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -157,6 +239,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     manager = config.stash.get(manager_key, None)
     if manager is not None:
         manager.shutdown()
+    leases = config.stash.get(leases_key, None)
+    if leases is not None:
+        leases.close()
+    directory = config.stash.get(lease_dir_key, None)
+    if directory is not None:
+        directory.remove()
 
 
 @pytest.fixture(scope="session")
@@ -166,6 +254,9 @@ def rank_calls(pytestconfig: pytest.Config) -> RankCalls:
     from harness.rank_calls import CallSettings, RankCalls
 
     config = pytestconfig
+    if config.stash[dispatch_key].launcher == "torchrun":
+        spelled = options.spelling(config, options.LAUNCHER)
+        pytest.skip(f"rank_calls starts the harness's own pools: run it without {spelled} torchrun")
     settings = CallSettings(
         manager=pool_manager(config),
         timeout_s=float(config.getoption("dist_timeout")),
@@ -214,10 +305,16 @@ def world_size_of(item: pytest.Item) -> int:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not is_distributed(item):
         return
-    placement = device_plan(item.config).placement(world_size_of(item))
+    dispatch = item.config.stash[dispatch_key]
+    placement = dispatch.placement(world_size_of(item))
     if isinstance(placement, str):
-        spelled = options.spelling(item.config, options.ALIASES[0])
-        pytest.fail(f"{placement} ({spelled} cuda)", pytrace=False)
+        if dispatch.launcher == "torchrun":
+            pytest.skip(placement)  # another world size: counted in the summary
+        spelled = options.spelling(item.config, options.DEVICE)
+        pytest.fail(
+            f"{placement} ({spelled} cuda; {spelled} auto would run it on CPU ranks)",
+            pytrace=False,
+        )
     _check_timeout_marker(item)
     reason = _marker_skip_reason(item, placement) or item.config.hook.pytest_harness_skip_reason(
         item=item, placement=placement
@@ -269,14 +366,11 @@ def _import_error(name: str) -> str | None:
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not is_distributed(pyfuncitem):
         return None
-    from harness._controller.dispatch import run
-
     request = _request(pyfuncitem)
+    dispatch = pyfuncitem.config.stash[dispatch_key]
+    verdict = dispatch.run(request, lambda: _start_deferred_timer(pyfuncitem))
     pyfuncitem.user_properties.extend(
-        placement_properties(request.key.world_size, request.placement)
-    )
-    verdict = run(
-        pool_manager(pyfuncitem.config), request, lambda: _start_deferred_timer(pyfuncitem)
+        placement_properties(request.key.world_size, request.placement, verdict.gpus)
     )
     for rank, output in sorted(verdict.outputs.items()):
         pyfuncitem.add_report_section("call", f"rank {rank} output", output)
@@ -339,7 +433,7 @@ def _request(item: pytest.Function) -> TestRequest:
         timeout_s=_timeout_s(item),
         grace_s=float(config.getoption("fail_grace")),
         wall_limit_s=_wall_limit_s(item),
-        subtest_option=options.spelling(config, options.ALIASES[2]),
+        subtest_option=options.spelling(config, options.SUBTEST),
     )
 
 

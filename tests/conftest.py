@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.plugin import device_plan
+from harness.plugin import device_plan, lease_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 # The device the inner sessions of the harness's black-box tests use: the CPU by
@@ -62,12 +62,15 @@ class Run:
 def inner(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> Iterator[object]:
-    """Runs an inner pytest session in a subprocess with the harness plugin. Under
-    xdist on a GPU machine it sees only this worker's GPUs."""
+    """Runs an inner pytest session in a subprocess with the harness plugin. On a
+    GPU machine (``HARNESS_TEST_INNER_DEVICE=auto``) it leases GPUs with the outer
+    session, from its lease directory."""
     pids_file = pytester.path / "pids.txt"
-    owned = device_plan(request.config).gpus
+    lease_args: tuple[str, ...] = ()
     if INNER_DEVICE != "cpu":
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(owned) if owned else "")
+        # The inner session leases the outer session's GPUs from its lease directory.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(device_plan(request.config).gpus))
+        lease_args = ("--gpu-lease-dir", str(lease_directory(request.config).path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
@@ -76,7 +79,14 @@ def inner(
     def run(source: str, *args: str) -> Run:
         pytester.makepyfile(test_inner=source)
         result = pytester.runpytest_subprocess(
-            "-p", "harness.plugin", "-p", "no:cacheprovider", "--device", INNER_DEVICE, *args
+            "-p",
+            "harness.plugin",
+            "-p",
+            "no:cacheprovider",
+            "--device",
+            INNER_DEVICE,
+            *lease_args,
+            *args,
         )
         return Run(result, pids_file)
 

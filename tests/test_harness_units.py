@@ -1,18 +1,20 @@
 """In-process tests of the harness's pure pieces: assertions, ids, subtest
-selection, GPU slicing under xdist."""
+selection, device placement."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from harness._controller import dispatch as _dispatch
-from harness._controller.devices import DevicePlan, gpu_slice
+from harness._controller.devices import DevicePlan
 from harness._protocol import RunTest
 from harness._types import Attempt, Placement, PoolKey
 from harness.assertions import Assertions, assert_equal
@@ -136,35 +138,22 @@ def test_filter_parses_nested_commas_and_ignores_addresses():
     assert parse_filter('k="a,b", j=(1, 2)') == (("k", '"a,b"'), ("j", "(1, 2)"))
 
 
-@pytest.mark.parametrize(
-    "gpus, worker, expected",
-    [
-        (("0", "1", "2", "3"), (0, 2), ("0", "1")),
-        (("0", "1", "2", "3"), (1, 2), ("2", "3")),
-        (("0", "1", "2"), (2, 3), ("2",)),
-        (("4", "6"), (0, 4), ()),
-        (("4", "6"), (1, 4), ("4",)),
-        (("0", "1"), None, ("0", "1")),
-    ],
-)
-def test_gpu_slices_are_disjoint(gpus, worker, expected):
-    assert gpu_slice(gpus, worker) == expected
-
-
-def test_gpu_slices_cover_every_gpu_once():
-    gpus = tuple(str(i) for i in range(8))
-    slices = [gpu_slice(gpus, (i, 3)) for i in range(3)]
-    assert sorted(g for s in slices for g in s) == list(gpus)
-
-
 def test_placement_under_each_device_option():
-    two = DevicePlan("auto", ("2", "3"), (1, 2))
-    assert two.placement(2) == ("cuda", "nccl", "2,3")
-    assert two.placement(4) == ("cpu", "gloo", "")
-    strict = DevicePlan("cuda", ("2",), (1, 2))
-    reason = strict.placement(2)
-    assert reason == "needs 2 GPUs but xdist worker gw1 of 2 owns GPUs [2]"
-    assert DevicePlan("cpu", (), None).placement(2) == ("cpu", "gloo", "")
+    two = DevicePlan("auto", ("2", "3"))
+    assert two.placement(2) == ("cuda", "nccl", None, 2, "")  # GPUs leased per test
+    assert two.placement(1) == ("cuda", "nccl", None, 1, "")
+    fallback = two.placement(4)
+    assert fallback == ("cpu", "gloo", "", 0, "needs 4 GPUs, 2 visible")
+    strict = DevicePlan("cuda", ("2",))
+    assert strict.placement(2) == "needs 2 GPUs but only 1 GPUs are visible [2]"
+    assert strict.placement(1) == ("cuda", "nccl", None, 1, "")
+    assert DevicePlan("cpu", ()).placement(2) == ("cpu", "gloo", "", 0, "")
+    assert DevicePlan("auto", ()).placement(2) == ("cpu", "gloo", "", 0, "")  # no GPU: no fallback
+    fake = DevicePlan("auto", ("a", "b"), fake=True)
+    assert fake.placement(2) == ("cpu", "gloo", "", 2, "")  # leased, computed on CPU
+    assert fake.placement(3).fallback == "needs 3 GPUs, 2 visible"
+    strict_fake = DevicePlan("cuda", ("a", "b"), fake=True)
+    assert strict_fake.placement(3) == "needs 3 GPUs but only 2 fake GPUs are visible [a, b]"
 
 
 class _SlowStartManager:
@@ -183,6 +172,10 @@ class _SlowStartManager:
 
     def release(self, pool: object, request: _dispatch.TestRequest) -> None:
         pass
+
+    @contextlib.contextmanager
+    def leased(self, request: _dispatch.TestRequest) -> Iterator[_dispatch.TestRequest]:
+        yield request
 
     def execute(self, message: RunTest, deadline: float, grace_s: float) -> Attempt:
         self.time_left.append(deadline - time.monotonic())

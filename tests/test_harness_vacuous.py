@@ -162,7 +162,11 @@ TOO_MANY_RANKS = src(
 def test_device_cuda_and_a_test_needing_more_gpus_errors_instead_of_skipping(inner: Any) -> None:
     run = inner(TOO_MANY_RANKS, "--device", "cuda")
     run.result.assert_outcomes(errors=1)
-    assert re.search(r"needs \d+ GPUs but .* owns .* \(--device cuda\)", run.text), run.text
+    assert re.search(
+        r"needs \d+ GPUs but only \d+ GPUs are visible \[.*\] \(--device cuda; --device auto "
+        r"would run it on CPU ranks\)",
+        run.text,
+    ), run.text
     assert run.pids() == {}
 
 
@@ -187,8 +191,18 @@ def test_device_cuda_and_a_test_needing_more_gpus_errors_instead_of_skipping(inn
             ["--replay-example", "garbage"],
             "--replay-example 'garbage' is not a replay id that a property failure printed",
         ),
+        (
+            ["--gpu-lease-dir", "/dev/null/leases"],
+            "--gpu-lease-dir /dev/null/leases: cannot create the directory (Not a directory)",
+        ),
+        (["--gpu-lease-dir", ""], "--gpu-lease-dir needs a directory, got an empty path"),
+        (
+            ["--rank-profile", "/dev/null/profiles"],
+            "--rank-profile /dev/null/profiles: cannot create the directory (Not a directory)",
+        ),
+        (["-o", "harness_fake_gpus=g0,g1,g0"], "harness_fake_gpus names a GPU twice: 'g0,g1,g0'"),
     ],
-    ids=lambda v: v[0] if isinstance(v, list) else "",
+    ids=lambda v: (v[1] if v[0] == "-o" else v[0]) if isinstance(v, list) else "",
 )
 def test_a_bad_option_value_is_a_one_line_usage_error(
     inner: Any, args: list[str], message: str

@@ -58,6 +58,7 @@ LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("harness.plugin", "harness.testcase"): _EVERY_SESSION,
     ("harness.plugin", "harness.rank_calls"): _EVERY_SESSION,
     ("harness.plugin", "harness._controller.dispatch"): _EVERY_SESSION,
+    ("harness.plugin", "harness._torchrun.session"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.properties.search"): _EVERY_SESSION,
 }
 

@@ -1,5 +1,5 @@
 """Installing the package changes no one else's pytest: a foreign project in the
-same environment, with its own ``--device``/``--world-size``/``--subtest``
+same environment, with its own ``--device``/``--world-size``/``--subtest``/``--launcher``
 options, its own hypothesis profile and plain unittest tests, runs as it would
 without the package: with all three ``pytest11`` plugins, and with each of them
 disabled in turn. The plugins import neither torch nor hypothesis nor expecttest
@@ -26,6 +26,7 @@ FOREIGN_CONFTEST = textwrap.dedent(
         parser.addoption("--device", default="tpu", help="this project's own device")
         parser.addoption("--world-size", type=int, default=8)
         parser.addoption("--subtest", default="all")
+        parser.addoption("--launcher", default="gdb", help="this project's own launcher")
 
 
     @pytest.fixture
@@ -57,6 +58,7 @@ FOREIGN_TESTS = textwrap.dedent(
         assert device == "npu"
         assert pytestconfig.getoption("world_size") == 3
         assert pytestconfig.getoption("subtest") == "some"
+        assert pytestconfig.getoption("launcher") == "lldb"
 
 
     def test_nothing_heavy_was_imported_for_it():
@@ -87,6 +89,7 @@ def test_a_foreign_project_runs_unchanged(foreign: pytest.Pytester, disabled: st
     """With every plugin, and with each disabled alone (``-p no:harness.plugin``
     was an INTERNALERROR: the others implement its hooks)."""
     args = ["-p", "no:cacheprovider", "--device", "npu", "--world-size", "3", "--subtest", "some"]
+    args += ["--launcher", "lldb"]
     if disabled is not None:
         args += ["-p", f"no:{disabled}"]
     result = foreign.runpytest_subprocess(*args)
@@ -101,8 +104,11 @@ def test_the_plugins_are_there_for_that_project(foreign: pytest.Pytester) -> Non
     help_text = result.stdout.str()
     assert "--dist-device" in help_text and "--dist-world-size" in help_text
     assert "--fsdp-impl" in help_text
+    assert "--dist-launcher" in help_text and "--gpu-lease-dir" in help_text
     assert "this project's own device" in help_text
+    assert "this project's own launcher" in help_text
     assert "the same as --dist-device" not in help_text  # no alias where --device is taken
+    assert "the same as --dist-launcher" not in help_text
 
 
 def test_without_a_foreign_option_the_short_spellings_are_the_runners(
@@ -115,5 +121,6 @@ def test_without_a_foreign_option_the_short_spellings_are_the_runners(
         ("--device", "--dist-device"),
         ("--world-size", "--dist-world-size"),
         ("--subtest", "--dist-subtest"),
+        ("--launcher", "--dist-launcher"),
     ):
         assert f"the same as {canonical}" in help_text, alias

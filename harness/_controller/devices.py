@@ -1,26 +1,75 @@
 """Which device and backend the ranks of a test get, decided in the pytest process.
 
 [Note: GPUs under pytest-xdist]
-With G visible GPUs (an outer ``CUDA_VISIBLE_DEVICES`` is respected) and N xdist
-workers, worker i owns the disjoint slice ``gpus[i*G//N : (i+1)*G//N]``. The
-slice is written into ``CUDA_VISIBLE_DEVICES`` of the rank processes before
-they start, so CUDA initialises with only the slice visible: two workers can
-never share a GPU, and no worker silently lands on GPU 0. The pytest process
-itself never initialises CUDA (it only counts devices), so it holds no GPU
-memory. A test needing more GPUs than its worker's slice runs on CPU under
-``--device auto`` and is skipped, naming the slice, under ``--device cuda``.
+Every pytest process of a session (each xdist worker, or the one process without
+xdist) may use every visible GPU (an outer ``CUDA_VISIBLE_DEVICES`` is
+respected). A test whose k ranks fit on the G GPUs (k <= G) leases k of them for
+its run, waiting while other workers hold them (see [Note: Leasing GPUs] in
+``harness._controller.leases``), and its ranks start with the lease as their
+``CUDA_VISIBLE_DEVICES``, so CUDA initialises with only those GPUs visible: two
+tests never share a GPU, and none silently lands on GPU 0. The pytest processes
+never initialise CUDA (they only count devices) and hold no GPU memory.
+
+A pool is started on the GPUs of a lease and kept, idle, when the lease ends
+(see ``PoolManager``): the next lease of the same GPUs, which the lease pool
+prefers, reuses it with its CUDA contexts and communicator. Where other
+processes may lease the same GPUs (xdist workers, or sessions sharing a
+``--gpu-lease-dir``), a rank frees its cached CUDA memory after every test, so
+that an idle pool takes no more of a GPU than its contexts while another
+worker's test runs there.
+
+A test that needs more GPUs than there are (k > G: every GPU of the machine,
+not only those free now) runs on CPU ranks under ``--device auto``, and says
+so: its report carries the reason (``dist_fallback``, shown in ``-v``) and the
+session summary's line for its world size counts it ("3-rank tests: 12 on
+cpu/gloo (cpu fallback: needs 3 GPUs, 2 visible)"; see [Note: What ran where]
+in ``harness._controller.pytest_reports``). Under ``--device cuda`` such a test
+errors at setup with the reason: the user asked for GPUs, so CPU ranks would
+check something else. No test ever waits for GPUs it could never get, and no
+test runs on CPU while enough GPUs exist: it waits for them.
+
+The lease directory belongs to the session: ``<tmp>/harness-gpu-leases-<uid>/<id>``
+with xdist's ``testrunuid`` as the id (shared by the workers of a session; the
+controller sets it when the user did not), or a fresh id without xdist. Two
+pytest sessions on one machine therefore lease independently, each from every
+GPU, as sessions did before leasing; ``--gpu-lease-dir DIR`` names a directory
+to share instead, and sessions naming the same one never share a GPU (they must
+name GPUs alike: ``CUDA_VISIBLE_DEVICES`` entries). A session's own directory is
+removed when it ends. A torchrun run leases nothing: torchrun places its ranks
+(see ``harness._torchrun``).
+
+The ini value ``harness_fake_gpus`` names GPUs that do not exist, for testing the
+leasing on a machine without GPUs: tests lease them, wait for them and get pools
+keyed by them exactly as with real GPUs; only the ranks compute on CPU and gloo
+(their reports say ``cpu/gloo, fake GPUs g0,g1``). ``--device cuda`` accepts fake
+GPUs as GPUs. A rank finds the ids it leased in ``HARNESS_GPUS``, with fake GPUs
+and real ones.
+
+The plan is worked out on first use (``harness.plugin.device_plan``), not when
+the plugin is configured: counting GPUs imports torch, which a session without
+distributed tests never needs (see [Note: A plugin in every session] in
+``harness.plugin``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from harness._types import Placement
 
+LEASED_GPUS_ENV = "HARNESS_GPUS"  # the ids a rank's pool leased, comma separated
+
 
 def visible_gpus() -> tuple[str, ...]:
-    """The GPUs this pytest process may hand out, as CUDA_VISIBLE_DEVICES entries."""
+    """The GPUs this pytest process may lease, as CUDA_VISIBLE_DEVICES entries."""
     outer = os.environ.get("CUDA_VISIBLE_DEVICES")
     if outer is not None:
         return tuple(e.strip() for e in outer.split(",") if e.strip() and e.strip() != "-1")
@@ -29,48 +78,75 @@ def visible_gpus() -> tuple[str, ...]:
     return tuple(str(i) for i in range(torch.cuda.device_count()))
 
 
-def xdist_worker() -> tuple[int, int] | None:
-    """(worker index, worker count) when running under pytest-xdist."""
-    name = os.environ.get("PYTEST_XDIST_WORKER")
-    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not name or not count:
-        return None
-    return int(name.removeprefix("gw")), int(count)
-
-
-def gpu_slice(gpus: tuple[str, ...], worker: tuple[int, int] | None) -> tuple[str, ...]:
-    if worker is None:
-        return gpus
-    index, count = worker
-    return gpus[index * len(gpus) // count : (index + 1) * len(gpus) // count]
+def parse_gpu_ids(text: str) -> tuple[str, ...]:
+    ids = tuple(e.strip() for e in text.split(",") if e.strip())
+    if len(set(ids)) != len(ids):
+        raise pytest.UsageError(f"harness_fake_gpus names a GPU twice: {text!r}")
+    return ids
 
 
 @dataclass(frozen=True)
 class DevicePlan:
     requested: str  # "auto" | "cpu" | "cuda"
-    gpus: tuple[str, ...]
-    worker: tuple[int, int] | None
+    gpus: tuple[str, ...]  # every GPU the session leases from
+    fake: bool = False  # the GPUs are names only; ranks compute on CPU
 
     @classmethod
-    def detect(cls, requested: str) -> DevicePlan:
-        worker = xdist_worker()
-        gpus = () if requested == "cpu" else gpu_slice(visible_gpus(), worker)
-        return cls(requested, gpus, worker)
+    def detect(cls, requested: str, fake_gpus: tuple[str, ...] = ()) -> DevicePlan:
+        if requested == "cpu":
+            return cls(requested, ())
+        if fake_gpus:
+            return cls(requested, fake_gpus, fake=True)
+        return cls(requested, visible_gpus())
 
     def placement(self, world_size: int) -> Placement | str:
         """A placement for ``world_size`` ranks, or the reason none fits."""
         if self.requested != "cpu" and len(self.gpus) >= world_size:
-            return Placement("cuda", "nccl", ",".join(self.gpus[:world_size]))
+            if self.fake:
+                return Placement("cpu", "gloo", "", lease=world_size)
+            return Placement("cuda", "nccl", None, lease=world_size)
         if self.requested == "cuda":
-            return f"needs {world_size} GPUs but {self._owner()} owns {self._describe_gpus()}"
-        return Placement("cpu", "gloo", "")  # CPU ranks must not touch a GPU
-
-    def _owner(self) -> str:
-        if self.worker is None:
-            return "this pytest process"
-        return f"xdist worker gw{self.worker[0]} of {self.worker[1]}"
+            return f"needs {world_size} GPUs but {self._describe_gpus()}"
+        if not self.gpus:
+            return Placement("cpu", "gloo", "")  # CPU ranks must not touch a GPU
+        why = f"needs {world_size} GPUs, {len(self.gpus)} visible"
+        return Placement("cpu", "gloo", "", fallback=why)
 
     def _describe_gpus(self) -> str:
         if not self.gpus:
-            return "no GPU"
-        return f"GPUs [{', '.join(self.gpus)}]"
+            return "no GPU is visible"
+        kind = "fake GPUs" if self.fake else "GPUs"
+        return f"only {len(self.gpus)} {kind} are visible [{', '.join(self.gpus)}]"
+
+
+class LeaseDirectory:
+    """Where the session's lease files live, and who removes them (see the note)."""
+
+    def __init__(self, path: Path, owned: bool, given: bool = False) -> None:
+        self.path = path
+        self.owned = owned  # this process removes the directory at the end
+        self.given = given  # named by --gpu-lease-dir: other sessions may share it
+
+    @classmethod
+    def for_session(cls, config: pytest.Config, given: Path | None) -> LeaseDirectory:
+        if given is not None:
+            return cls(given, owned=False, given=True)
+        root = Path(tempfile.gettempdir()) / f"harness-gpu-leases-{os.getuid()}"
+        workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
+        if workerinput is not None:
+            return cls(root / str(workerinput["testrunuid"]), owned=False)
+        if getattr(config.option, "numprocesses", None):  # the xdist controller
+            if not getattr(config.option, "testrunuid", None):
+                config.option.testrunuid = uuid.uuid4().hex
+            return cls(root / config.option.testrunuid, owned=True)
+        return cls(root / uuid.uuid4().hex, owned=True)
+
+    def shared(self, config: pytest.Config) -> bool:
+        """Whether other pytest processes may lease these GPUs: the workers of an
+        xdist session, or sessions sharing a directory given to them."""
+        workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+        return self.given or int(workerinput.get("workercount", 1)) > 1
+
+    def remove(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)

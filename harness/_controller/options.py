@@ -6,10 +6,11 @@ an environment where the package is installed has the runner's options. pytest
 refuses a second option of the same name or destination, so a project whose
 conftest adds its own ``--device`` crashed as soon as the package was
 installed. Each option of the runner therefore has a name of its own
-(``--dist-device``, ``--dist-world-size``, ``--dist-subtest``, ``--dist-timeout``,
-...), and the short spellings that suites, tox and users type (``--device``,
-``--world-size``, ``--subtest``) are aliases added only where no one else
-defines them: after the initial conftest files have added their options (the
+(``--dist-device``, ``--dist-world-size``, ``--dist-subtest``, ``--dist-launcher``,
+``--dist-timeout``, ...), and the short spellings that suites, tox and users type
+(``--device``, ``--world-size``, ``--subtest``, ``--launcher``) are aliases added
+only where no one else defines them (``--launcher`` is taken by some projects'
+conftests, e.g. debugger test suites that name the program starting theirs): after the initial conftest files have added their options (the
 ``pytest_load_initial_conftests`` hook wraps their loading), or at once when the
 plugin itself is loaded by a conftest's ``pytest_plugins`` (that conftest has
 then added its options already). Where a project owns ``--device``, its option
@@ -20,18 +21,24 @@ A value that would make a run check nothing or hang (a world size below 1, a
 negative deadline or grace period, ``--dist-device cuda`` where this process
 sees no GPU) is a usage error at configure time, in one line that names the
 option, instead of a green run, a skip of every test or an error deep inside a
-pool.
+pool. So is a value that would fail later with a raw traceback: a lease or
+profile directory that cannot be created, a fake GPU named twice, and
+``--dist-launcher torchrun`` outside torchrun's environment or with ``-n``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
+from harness._controller.devices import parse_gpu_ids
+from harness._torchrun.env import NotUnderTorchrun, TorchrunEnv
 from harness.subtests import parse_filter
 
 GROUP = "distributed"
@@ -50,11 +57,12 @@ class Alias:
 _DEVICE = (("choices", ("auto", "cpu", "cuda")), ("default", "auto"))
 _WORLD_SIZE = (("type", int), ("default", 2))
 _SUBTEST = (("default", None), ("metavar", "KEY=VALUE,..."))
-ALIASES = (
-    Alias("--device", "--dist-device", "dist_device", _DEVICE),
-    Alias("--world-size", "--dist-world-size", "dist_world_size", _WORLD_SIZE),
-    Alias("--subtest", "--dist-subtest", "dist_subtest", _SUBTEST),
-)
+_LAUNCHER = (("choices", ("spawn", "torchrun")), ("default", "spawn"))
+DEVICE = Alias("--device", "--dist-device", "dist_device", _DEVICE)
+WORLD_SIZE = Alias("--world-size", "--dist-world-size", "dist_world_size", _WORLD_SIZE)
+SUBTEST = Alias("--subtest", "--dist-subtest", "dist_subtest", _SUBTEST)
+LAUNCHER = Alias("--launcher", "--dist-launcher", "dist_launcher", _LAUNCHER)
+ALIASES = (DEVICE, WORLD_SIZE, SUBTEST, LAUNCHER)
 
 # The aliases each session got (by its plugin manager, which lives as long as it).
 _ADDED: weakref.WeakKeyDictionary[object, set[str]] = weakref.WeakKeyDictionary()
@@ -88,6 +96,15 @@ def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager
         "Values are matched as they appear in reports; a test whose run_subtests "
         "calls offer no matching combination fails, listing the keys and values "
         "they have. Also --subtest, where no other plugin defines it.",
+    )
+    group.addoption(
+        "--dist-launcher",
+        dest="dist_launcher",
+        **dict(_LAUNCHER),
+        help="who starts the ranks: the harness's own pools (spawn), or torchrun, "
+        "which started this pytest process as one rank (see the README's "
+        '"Across hosts: torchrun"). Default: spawn. Also --launcher, where no other '
+        "plugin defines it.",
     )
     _add_runner_options(group)
     if _loaded_by_a_conftest(pluginmanager):
@@ -136,6 +153,22 @@ def _add_runner_options(group: pytest.OptionGroup) -> None:
         action="store_true",
         default=False,
         help="give every distributed test a fresh pool of ranks instead of reusing one.",
+    )
+    group.addoption(
+        "--gpu-lease-dir",
+        default=None,
+        metavar="DIR",
+        help="lease GPUs through the lock files in DIR (created if missing), shared "
+        "with every session that names it (two sessions never share a GPU). Default: "
+        "a directory of this session's own.",
+    )
+    group.addoption(
+        "--rank-profile",
+        default=None,
+        metavar="DIR",
+        help="write a cProfile of every distributed test on every rank, and the pools' "
+        "start times, to DIR (created if missing; bench/nccl_test_cost.py summarises "
+        "them).",
     )
 
 
@@ -195,7 +228,49 @@ def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
         _refuse(config, "dist_world_size", f"needs at least 1 rank, got {world_size}")
     _check_seconds(config, "dist_timeout", minimum_exclusive=True)
     _check_seconds(config, "fail_grace", minimum_exclusive=False)
+    fake_gpus(config)
+    for dest in ("gpu_lease_dir", "rank_profile"):
+        directory(config, dest)
+    if config.getoption("dist_launcher") == "torchrun":
+        _check_torchrun(config)
     return parse_filter(config.getoption("dist_subtest"), _named(config, "dist_subtest"))
+
+
+def fake_gpus(config: pytest.Config) -> tuple[str, ...]:
+    """The ``harness_fake_gpus`` ini value's ids (see harness._controller.devices)."""
+    return parse_gpu_ids(config.getini("harness_fake_gpus"))
+
+
+def directory(config: pytest.Config, dest: str) -> Path | None:
+    """The directory an option names, created if missing; None when not given."""
+    given = config.getoption(dest)
+    if given is None:
+        return None
+    if not str(given).strip():
+        _refuse(config, dest, "needs a directory, got an empty path")
+    path = Path(given).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _refuse(config, dest, f"{given}: cannot create the directory ({exc.strerror or exc})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        _refuse(config, dest, f"{given}: the directory is not writable")
+    return path
+
+
+def _check_torchrun(config: pytest.Config) -> None:
+    spelled = _named(config, "dist_launcher")
+    if getattr(config.option, "numprocesses", None):
+        _refuse(config, "dist_launcher", "torchrun runs one pytest session per rank: leave out -n")
+    try:
+        TorchrunEnv.read()
+    except NotUnderTorchrun as exc:
+        _refuse(
+            config,
+            "dist_launcher",
+            f"torchrun needs the environment torchrun gives its workers; {exc} not set "
+            f"(start pytest as: torchrun ... -m pytest {spelled} torchrun ...)",
+        )
 
 
 def _check_seconds(config: pytest.Config, dest: str, minimum_exclusive: bool) -> None:
@@ -206,7 +281,7 @@ def _check_seconds(config: pytest.Config, dest: str, minimum_exclusive: bool) ->
         _refuse(config, dest, f"must be a finite number of seconds, {bound}; got {value:g}")
 
 
-def _refuse(config: pytest.Config, dest: str, why: str) -> None:
+def _refuse(config: pytest.Config, dest: str, why: str) -> NoReturn:
     raise pytest.UsageError(f"{_named(config, dest)} {why}")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness._controller import stacks
+from harness._controller.devices import LEASED_GPUS_ENV
 from harness._protocol import (
     BodyReturned,
     Probe,
@@ -215,13 +216,16 @@ class RankPool:
         env = {k: os.environ.get(k, v) for k, v in _LOOPBACK_ENV}
         if self.key.check_collectives:
             env[_DEBUG_ENV] = "DETAIL"
+        if self.key.gpus:
+            env[LEASED_GPUS_ENV] = ",".join(self.key.gpus)
+        visible = self.placement.cuda_visible_devices
         return WorkerSpec(
             rank=rank,
             world_size=self.key.world_size,
             backend=self.placement.backend,
             device_type=self.placement.device_type,
             store_port=port,
-            cuda_visible_devices=self.placement.cuda_visible_devices,
+            cuda_visible_devices=",".join(self.key.gpus) if visible is None else visible,
             output_dir=self._tmpdir.name,
             capture_output=self._settings.capture_output,
             parent_pid=os.getpid(),
@@ -229,6 +233,8 @@ class RankPool:
             env=tuple(sorted(env.items())),
             pg_timeout_s=self._settings.pg_timeout_s,
             isolated_modules=self._settings.isolated_modules,
+            release_cached_memory=self._settings.release_cached_memory,
+            profile_dir=self._settings.profile_dir,
         )
 
     def _await_ready(self) -> None:
@@ -460,17 +466,19 @@ class _AttemptDriver:
             proc = self._ranks[rank]
             self.attempt.ranks[rank].stopped_stack = proc.dump_stack()
         if not self.attempt.timed_out and self._failed_subtest is not None:
-            self._note_stragglers(self._failed_subtest)
+            note_stragglers(self.attempt, self._failed_subtest)
             self.attempt.restart_after = self._failed_subtest
         self._pending.clear()
 
-    def _note_stragglers(self, index: int) -> None:
-        record = self.attempt.subtests[index]
-        for rank, result in self.attempt.ranks.items():
-            if result.stopped_stack is not None and rank not in record.finished:
-                stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
-                how = "skipped" if record.all_skipped() else "failed"
-                record.notes.append(
-                    f"rank {rank} was stopped after another rank {how} this subtest; "
-                    f"it was blocked here:\n{stack}"
-                )
+
+def note_stragglers(attempt: Attempt, index: int) -> None:
+    """Notes, on subtest ``index``, the stacks of the ranks stopped before finishing it."""
+    record = attempt.subtests[index]
+    for rank, result in attempt.ranks.items():
+        if result.stopped_stack is not None and rank not in record.finished:
+            stack = stacks.clean(result.stopped_stack) or "(no stack: it did not answer)"
+            how = "skipped" if record.all_skipped() else "failed"
+            record.notes.append(
+                f"rank {rank} was stopped after another rank {how} this subtest; "
+                f"it was blocked here:\n{stack}"
+            )

@@ -31,13 +31,21 @@ line and the short summary treat them the same on both sides.
 
 [Note: What ran where]
 Every distributed test's call report carries its placement as user properties
-(``dist_world_size``, ``dist_device``, ``dist_backend`` and, on CUDA,
-``dist_gpus``: the ``CUDA_VISIBLE_DEVICES`` entries of its ranks), so junit has
-them; ``-v`` adds them to the outcome word of a test that passed or failed
-(``PASSED (2 ranks, cpu/gloo)``; a skip keeps pytest's word, see above), and
-the session summary counts tests per world size and placement
-("2-rank tests: 480 on cuda/nccl, 12 on cpu/gloo"), from the reports, so that
-under xdist the controller counts every worker's tests.
+(``dist_world_size``, ``dist_device``, ``dist_backend``; ``dist_gpus``: the GPUs
+its ranks ran on, as ``CUDA_VISIBLE_DEVICES`` entries: those its run leased
+(see [Note: GPUs under pytest-xdist] in ``harness._controller.devices``), the
+fake ids of ``harness_fake_gpus`` on CPU ranks, or under torchrun each rank's
+GPU, prefixed by its host when the ranks span hosts; and ``dist_fallback``: why
+a test that would have run on GPUs ran on CPU ranks), so junit has them;
+``-v`` adds them to the outcome word of a test that passed or failed
+(``PASSED (2 ranks, cuda/nccl, GPUs 0,1)``, ``PASSED (3 ranks, cpu/gloo, cpu
+fallback: needs 3 GPUs, 2 visible)``; a skip keeps pytest's word, see above).
+The session summary counts tests per world size and placement, a CPU fallback
+named with its reason where the device split is ("2-rank tests: 480 on
+cuda/nccl", "3-rank tests: 12 on cpu/gloo (cpu fallback: needs 3 GPUs, 2
+visible)"), from the reports, so that under xdist the controller counts every
+worker's tests. Below them each pytest process says what it started: its pools,
+or, under torchrun, the rank it is.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -58,7 +66,9 @@ if _NativeSubtestReport is not None:
     from _pytest.subtests import SubtestContext  # the type of the native report's `context`
 _BASE: Any = _NativeSubtestReport or pytest.TestReport
 
-WORLD_SIZE, DEVICE, BACKEND, GPUS = "dist_world_size", "dist_device", "dist_backend", "dist_gpus"
+WORLD_SIZE, DEVICE, BACKEND = "dist_world_size", "dist_device", "dist_backend"
+GPUS, FALLBACK = "dist_gpus", "dist_fallback"
+_PLACEMENT = (WORLD_SIZE, DEVICE, BACKEND, GPUS, FALLBACK)
 SUBTEST, DESELECTED = "subtest", "subtests_deselected"
 
 
@@ -132,14 +142,19 @@ class RankSubtestReport(_BASE):  # type: ignore[misc]
         return "skipped", "-", "SKIPPED"
 
 
-def placement_properties(world_size: int, placement: Placement) -> list[tuple[str, object]]:
+def placement_properties(
+    world_size: int, placement: Placement, gpus: Sequence[str]
+) -> list[tuple[str, object]]:
+    """``gpus``: those the test's ranks ran on (see [Note: What ran where])."""
     properties: list[tuple[str, object]] = [
         (WORLD_SIZE, world_size),
         (DEVICE, placement.device_type),
         (BACKEND, placement.backend),
     ]
-    if placement.device_type == "cuda" and placement.cuda_visible_devices:
-        properties.append((GPUS, placement.cuda_visible_devices))
+    if gpus:
+        properties.append((GPUS, ",".join(gpus)))
+    if placement.fallback:
+        properties.append((FALLBACK, placement.fallback))
     return properties
 
 
@@ -160,14 +175,42 @@ def report_subtests(item: pytest.Item, outcomes: Sequence[SubtestOutcome], desel
             item.ihook.pytest_runtest_logreport(report=report)
 
 
-def _placement_of(report: pytest.TestReport) -> tuple[int, str, str, str] | None:
+class _Where(NamedTuple):
+    """A report's placement, read back from its properties."""
+
+    world_size: int
+    device: str
+    backend: str
+    gpus: str
+    fallback: str
+
+    def place(self) -> str:
+        return f"{self.device}/{self.backend}"
+
+    def describe(self) -> str:
+        """``cuda/nccl, GPUs 0,1``; ``cpu/gloo, fake GPUs g0,g1``; ``cpu/gloo, cpu fallback: ...``"""
+        parts = [self.place()]
+        if self.gpus:
+            parts.append(("GPUs " if self.device == "cuda" else "fake GPUs ") + self.gpus)
+        if self.fallback:
+            parts.append(f"cpu fallback: {self.fallback}")
+        return ", ".join(parts)
+
+
+def _placement_of(report: pytest.TestReport) -> _Where | None:
     found: dict[str, Any] = {}
     for entry in report.user_properties:
-        if len(entry) == 2 and entry[0] in (WORLD_SIZE, DEVICE, BACKEND, GPUS):
+        if len(entry) == 2 and entry[0] in _PLACEMENT:
             found[entry[0]] = entry[1]
     if WORLD_SIZE not in found:
         return None
-    return int(found[WORLD_SIZE]), found[DEVICE], found[BACKEND], str(found.get(GPUS, ""))
+    return _Where(
+        int(found[WORLD_SIZE]),
+        str(found[DEVICE]),
+        str(found[BACKEND]),
+        str(found.get(GPUS, "")),
+        str(found.get(FALLBACK, "")),
+    )
 
 
 # Skips keep pytest's word: -rs folds skip lines under the first skip's word.
@@ -178,11 +221,10 @@ def _placement_word(report: pytest.TestReport) -> tuple[str, str, str] | None:
     placement = _placement_of(report)
     if placement is None or report.outcome not in _WORDS or hasattr(report, "wasxfail"):
         return None
-    world_size, device, backend, gpus = placement
     category, letter, word = _WORDS[report.outcome]
-    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
-    where = f"{device}/{backend}" + (f", GPUs {gpus}" if gpus else "")
-    return category, letter, f"{word} ({ranks}, {where})"
+    n = placement.world_size
+    ranks = f"{n} rank{'s' if n != 1 else ''}"
+    return category, letter, f"{word} ({ranks}, {placement.describe()})"
 
 
 class SessionReporter:
@@ -190,15 +232,15 @@ class SessionReporter:
     xdist workers send), and the lines it adds to the terminal summary."""
 
     _config: pytest.Config
-    _pool_line: Callable[[], str | None]  # the "rank pools: ..." line of this process
+    _process_lines: Callable[[], list[str]]  # what this process started ("rank pools: ...")
     subtests: dict[str, Counter[str]]  # by test: ran, failed, skipped, deselected
-    placements: Counter[tuple[int, str]]  # (world size, "device/backend") -> tests
+    placements: Counter[tuple[int, str, str]]  # (world size, "device/backend", fallback) -> tests
 
-    def __init__(self, config: pytest.Config, pool_line: Callable[[], str | None]) -> None:
+    def __init__(self, config: pytest.Config, process_lines: Callable[[], list[str]]) -> None:
         self._config = config
-        self._pool_line = pool_line
+        self._process_lines = process_lines
         self.subtests: dict[str, Counter[str]] = {}
-        self.placements: Counter[tuple[int, str]] = Counter()
+        self.placements: Counter[tuple[int, str, str]] = Counter()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
@@ -228,8 +270,7 @@ class SessionReporter:
             return
         placement = _placement_of(report) if report.user_properties else None
         if placement is not None:
-            world_size, device, backend, _ = placement
-            self.placements[(world_size, f"{device}/{backend}")] += 1
+            self.placements[(placement.world_size, placement.place(), placement.fallback)] += 1
         for name, value in report.user_properties:
             if name == DESELECTED:
                 self.subtests.setdefault(report.nodeid, Counter())["deselected"] += int(value)
@@ -253,19 +294,26 @@ class SessionReporter:
                 f"{len(self.subtests)} tests with subtests: {t.ran} subtests ran, {t.failed} "
                 f"failed, {t.skipped} skipped, {t.deselected} deselected"
             )
-        pool_line = self._pool_line()
-        if self.placements or pool_line:
+        lines = [*self.placement_lines(), *self._process_lines()]
+        if lines:
             tr.section("distributed tests")
-            for line in self.placement_lines():
+            for line in lines:
                 tr.write_line(line)
-            if pool_line:
-                tr.write_line(pool_line)
 
     def placement_lines(self) -> list[str]:
-        """One line per world size: "2-rank tests: 480 on cuda/nccl, 12 on cpu/gloo"."""
+        """One line per world size, CPU fallbacks with their reason: "2-rank tests:
+        480 on cuda/nccl", "3-rank tests: 12 on cpu/gloo (cpu fallback: needs 3
+        GPUs, 2 visible)"."""
         lines = []
-        for world_size in sorted({ws for ws, _ in self.placements}):
-            where = [(n, p) for (ws, p), n in self.placements.items() if ws == world_size]
-            parts = ", ".join(f"{n} on {p}" for n, p in sorted(where, reverse=True))
+        for world_size in sorted({key[0] for key in self.placements}):
+            where = [
+                (n, place, fallback)
+                for (ws, place, fallback), n in self.placements.items()
+                if ws == world_size
+            ]
+            parts = ", ".join(
+                f"{n} on {place}" + (f" (cpu fallback: {fallback})" if fallback else "")
+                for n, place, fallback in sorted(where, reverse=True)
+            )
             lines.append(f"{world_size}-rank tests: {parts}")
         return lines

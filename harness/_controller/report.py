@@ -60,6 +60,9 @@ class Verdict:
     outputs: dict[int, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     subtests: list[SubtestOutcome] = field(default_factory=list)
+    # The GPUs the ranks ran on: those leased for the run, or torchrun's ranks'
+    # (see [Note: What ran where] in harness._controller.pytest_reports).
+    gpus: tuple[str, ...] = ()
 
     def full_text(self) -> str:
         """The report with every failing subtest's own report appended."""

@@ -111,15 +111,21 @@ class StateBaseline:
     environ: dict[str, str]
     default_dtype: torch.dtype
     owned_prefixes: tuple[str, ...] = ()
+    unmanaged_environ: tuple[str, ...] = ()  # variables a test may leave as they are
     namespaces: dict[int, _NamespaceSnapshot] = field(default_factory=dict)
     extra_modules: set[str] = field(default_factory=set)
     _modules_seen: int = 0
 
     @classmethod
-    def capture(cls, owned_prefixes: tuple[str, ...]) -> StateBaseline:
+    def capture(
+        cls, owned_prefixes: tuple[str, ...], unmanaged_environ: tuple[str, ...] = ()
+    ) -> StateBaseline:
         """``owned_prefixes``: packages whose every module and class attribute is
-        restored (``harness.plugin.isolated_modules``)."""
-        baseline = cls(dict(os.environ), torch.get_default_dtype(), owned_prefixes)
+        restored (``harness.plugin.isolated_modules``); ``unmanaged_environ``:
+        variables left alone (pytest's own, where the test runs in its process)."""
+        baseline = cls(
+            dict(os.environ), torch.get_default_dtype(), owned_prefixes, unmanaged_environ
+        )
         baseline.track_new_modules()
         return baseline
 
@@ -175,9 +181,10 @@ class StateBaseline:
 
     def _restore_environ(self) -> None:
         for key in [k for k in os.environ if k not in self.environ]:
-            del os.environ[key]
+            if key not in self.unmanaged_environ:
+                del os.environ[key]
         for key, value in self.environ.items():
-            if os.environ.get(key) != value:
+            if key not in self.unmanaged_environ and os.environ.get(key) != value:
                 os.environ[key] = value
 
 
@@ -219,18 +226,25 @@ class GroupTracker:
     def live() -> set[int]:
         return {id(pg) for pg in _live_groups()}
 
-    def destroy_since(self, before: set[int]) -> None:
+    def destroy_since(self, before: set[int]) -> int:
+        """Destroys the groups created since ``before``; returns how many."""
         default = _default_group()
+        count = 0
         for pg in _live_groups():
             if id(pg) not in before and pg is not default:
                 dist.destroy_process_group(pg)
                 self.destroyed.append(weakref.ref(pg))
+                count += 1
+        return count
 
     def release_since(self, before: set[int]) -> None:
         """After a subtest: its groups are destroyed and, once its objects are
-        collected, their threads and sockets are gone."""
-        self.destroy_since(before)
-        gc.collect()
+        collected, their threads and sockets are gone. A subtest that created no
+        group is not collected after (a full collection costs about 100 ms on a
+        loaded machine, paid by every subtest otherwise); the test's own leak
+        check collects at its end."""
+        if self.destroy_since(before):
+            gc.collect()
 
 
 def _live_groups() -> list[dist.ProcessGroup]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import os
 import sys
@@ -26,6 +27,7 @@ from harness._rank import context as rank_context
 from harness._rank.cuda_mapping import mapped
 from harness._rank.importer import import_test_module, resolve_qualname
 from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
+from harness._rank.profiling import profiled
 
 
 def pg_timeout(seconds: float) -> datetime.timedelta:
@@ -46,17 +48,21 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
             _shutdown_process_group()
             return 0
         if isinstance(message, Probe):
-            conn.send(ProbeResult(spec.rank, _probe_default_group(device)))
+            conn.send(ProbeResult(spec.rank, probe_default_group(device)))
             continue
         assert isinstance(message, RunTest), message
-        outcome = run_test(message, spec, device, conn, baseline, leaks)
+        outcome = profiled(
+            spec.profile_dir,
+            f"{message.nodeid}.rank{spec.rank}",
+            functools.partial(run_test, message, spec, device, conn, baseline, leaks),
+        )
         conn.send(outcome)
 
 
 _PROBE_WAIT = datetime.timedelta(seconds=5)
 
 
-def _probe_default_group(device: torch.device) -> bool:
+def probe_default_group(device: torch.device) -> bool:
     """Every rank all-reduces its rank + 1: in step, each gets the same known sum."""
     world_size = dist.get_world_size()
     value = torch.full((1,), float(dist.get_rank() + 1), device=device)
@@ -78,7 +84,7 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
         device = torch.device("cuda", spec.rank)
     else:
         device = torch.device("cpu")
-        _one_thread_per_rank()
+        one_thread_per_rank()
     store = dist.TCPStore(
         "127.0.0.1",
         spec.store_port,
@@ -97,7 +103,7 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
     return device
 
 
-def _one_thread_per_rank() -> None:
+def one_thread_per_rank() -> None:
     """[Note: CPU threads per rank]
     Every rank of every xdist worker computes on the same cores; torch's default
     of one intra-op thread per core would run ranks x workers x cores threads on
@@ -151,6 +157,11 @@ def run_test(
     del context  # a test's objects must be unreachable before the leak check
     healthy = _settle(device, groups, before, baseline)
     leak = leaks.check(groups.destroyed) if healthy else ""
+    if healthy and device.type == "cuda" and spec.release_cached_memory:
+        # The pool idles on GPUs that another worker may lease next (see [Note:
+        # GPUs under pytest-xdist] in harness._controller.devices): the test's
+        # tensors are collected now, and the allocator gives its cache back.
+        torch.cuda.empty_cache()
     return TestFinished(
         rank=spec.rank,
         status=status,

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU runs of the multi-GPU work, one step per call of a lent two-GPU machine
+# (each step ends within 10 minutes; logs and results go to $OUT):
+#
+#   bash bench/gpu_session.sh probe            # versions, NCCL unit costs, leasing on the GPUs
+#   bash bench/gpu_session.sh profile [PATHS]  # where a suite's time goes on NCCL (--rank-profile)
+#   bash bench/gpu_session.sh torchrun         # --launcher torchrun on the two GPUs
+#   bash bench/gpu_session.sh suites local     # suites -n 2, both GPUs leased, this FSDP
+#   bash bench/gpu_session.sh suites torch     # the same against torch.distributed.fsdp
+#   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
+#   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
+#   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)
+#
+# Needs the expecttest wheel in .whl/ (carried: it is not installed there).
+set -uo pipefail
+STEP=${1:?"usage: bench/gpu_session.sh STEP [ARGS]"}
+shift
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HARNESS_TEST_INNER_DEVICE=auto
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+PYTEST="python3 -m pytest -p no:cacheprovider"
+
+prelude() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
+    git log -1 --format='commit %h %s' 2>/dev/null || true
+    python3 -c 'import torch, pytest, xdist; print("torch", torch.__version__, "nccl",
+        torch.cuda.nccl.version(), "gpus", torch.cuda.device_count(), "pytest", pytest.__version__,
+        "xdist", xdist.__version__)'
+    nvidia-smi -L
+}
+
+sampled() {  # sampled NAME COMMAND...: runs it under bench/gpu_sampler.py, log in $OUT/NAME.log
+    local name=$1
+    shift
+    python3 bench/gpu_sampler.py --csv "$OUT/$name.csv" -- "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+}
+
+two_agents() {  # two torchrun agents ("nodes") on this machine, one GPU each
+    local port=$1
+    shift
+    for gpu in 0 1; do
+        CUDA_VISIBLE_DEVICES=$gpu timeout 280 python3 -m torch.distributed.run --nnodes 2 \
+            --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "localhost:$port" \
+            --rdzv-id "gpu-$port" -m pytest -p no:cacheprovider --launcher torchrun "$@" \
+            >"$OUT/agent$gpu-$port.log" 2>&1 &
+    done
+    wait
+    grep -h "passed\|failed\|torchrun:" "$OUT"/agent*-"$port".log | grep -v "^\[" | sort | uniq -c
+}
+
+prelude | tee "$OUT/prelude.log"
+case "$STEP" in
+probe)
+    for bind in "" --no-device-id; do
+        timeout 120 python3 bench/nccl_test_cost.py micro --backend nccl --iters 10 $bind
+    done 2>&1 | tee "$OUT/micro.log"
+    rm -rf /tmp/leases-probe
+    sampled trivial-n2 timeout 200 $PYTEST bench/trivial_tests.py -n 2 -q --gpu-lease-dir /tmp/leases-probe
+    python3 bench/lease_cost.py --journal /tmp/leases-probe | tee -a "$OUT/trivial-n2.log"
+    ;;
+profile)
+    paths=${*:-"suites/test_core.py suites/test_fsdp_hybrid_shard.py suites/test_hybrid_replicas.py"}
+    timeout 560 python3 bench/nccl_test_cost.py suite /tmp/nccl-profile $paths 2>&1 |
+        tee "$OUT/profile.log" | tail -n 80
+    tar czf "$OUT/profile.tgz" -C /tmp nccl-profile
+    ;;
+torchrun)
+    timeout 250 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest \
+        -p no:cacheprovider --launcher torchrun suites/test_core.py -rs >"$OUT/standalone.log" 2>&1
+    tail -n 5 "$OUT/standalone.log"
+    two_agents 29511 tests/torchrun_cases.py suites/test_core.py::TestHooks -rs
+    ;;
+suites)
+    impl=${1:-local}
+    rm -rf "/tmp/leases-$impl"
+    sampled "suites-$impl" timeout 570 $PYTEST suites -n 2 -rs --fsdp-impl "$impl" \
+        --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
+    python3 bench/lease_cost.py --journal "/tmp/leases-$impl" | tee -a "$OUT/suites-$impl.log"
+    ;;
+tests)
+    rm -rf /tmp/leases-tests
+    sampled tests timeout 570 $PYTEST tests -n 2 -rs --gpu-lease-dir /tmp/leases-tests \
+        --junitxml="$OUT/tests.xml"
+    ;;
+scaling)
+    paths=${*:-"suites/test_core.py"}
+    for n in 1 2 4; do
+        rm -rf "/tmp/leases-n$n"
+        sampled "scaling-n$n" timeout 180 $PYTEST $paths -n $n -q --gpu-lease-dir "/tmp/leases-n$n"
+        python3 bench/lease_cost.py --journal "/tmp/leases-n$n" | tee -a "$OUT/scaling-n$n.log"
+    done
+    rm -f "$OUT"/scaling-n*.csv  # the summaries are in the logs; 8 files come back at most
+    ;;
+weak)
+    ws=${1:-1}
+    timeout 240 python3 bench/fsdp_step.py --preset gpt-937m --world-size "$ws" --warmup 3 \
+        --steps 30 --json "$OUT/weak-937m-ws$ws.json" 2>&1 | tee "$OUT/weak-937m-ws$ws.log" |
+        grep -v Warning | tail -n 12
+    timeout 300 python3 bench/fsdp_step.py --preset latency --world-size "$ws" --warmup 5 \
+        --steps 60 --json "$OUT/weak-latency-ws$ws.json" 2>&1 | tee "$OUT/weak-latency-ws$ws.log" |
+        grep -v Warning | tail -n 12
+    ;;
+*)
+    echo "unknown step $STEP" >&2
+    exit 2
+    ;;
+esac
