@@ -10,7 +10,8 @@ installed. Each option of the runner therefore has a name of its own
 ``--dist-timeout``, ...), and the short spellings that suites, tox and users type
 (``--device``, ``--world-size``, ``--subtest``, ``--launcher``) are aliases added
 only where no one else defines them (``--launcher`` is taken by some projects'
-conftests, e.g. debugger test suites that name the program starting theirs): after the initial conftest files have added their options (the
+conftests, e.g. debugger test suites naming the program that starts theirs):
+after the initial conftest files have added their options (the
 ``pytest_load_initial_conftests`` hook wraps their loading), or at once when the
 plugin itself is loaded by a conftest's ``pytest_plugins`` (that conftest has
 then added its options already). Where a project owns ``--device``, its option

@@ -188,7 +188,8 @@ class _Where(NamedTuple):
         return f"{self.device}/{self.backend}"
 
     def describe(self) -> str:
-        """``cuda/nccl, GPUs 0,1``; ``cpu/gloo, fake GPUs g0,g1``; ``cpu/gloo, cpu fallback: ...``"""
+        """``cuda/nccl, GPUs 0,1``, ``cpu/gloo, fake GPUs g0,g1`` or ``cpu/gloo, cpu
+        fallback: needs 3 GPUs, 2 visible``."""
         parts = [self.place()]
         if self.gpus:
             parts.append(("GPUs " if self.device == "cuda" else "fake GPUs ") + self.gpus)
