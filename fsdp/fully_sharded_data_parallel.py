@@ -23,7 +23,7 @@ from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
 from fsdp._runtime import CommHook, FSDPState, UnshardHandle
-from fsdp._state_dict import StateDictHooks
+from fsdp._state_dict import StateDictHooks, optim_settings_with_mesh
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
 from fsdp.api import (
@@ -105,8 +105,7 @@ class FullyShardedDataParallel(nn.Module):
                 module, auto_wrap_policy, ignored.modules, ignored.params, child_kwargs, FSDP
             )
         self._fsdp_wrapped_module = module
-        self._state = build_unit(self, module, args, ignored, groups)
-        self._state.device_mesh = device_mesh
+        self._state = build_unit(self, module, args, ignored, groups, device_mesh)
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -354,7 +353,7 @@ class FullyShardedDataParallel(nn.Module):
                     "All FSDP modules must have the same state dict settings."
                     f"Got {state.state_dict_settings} and {settings}."
                 )
-        return settings
+        return optim_settings_with_mesh(states, settings)
 
     @staticmethod
     @contextlib.contextmanager
