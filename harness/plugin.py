@@ -127,6 +127,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "requires_gpu(reason): skip unless the ranks run on CUDA",
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
         "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
+        "min_world_size(n): the test needs n ranks: unless its class pins world_size, it runs "
+        "with max(--world-size, n)",
     ):
         config.addinivalue_line("markers", line)
     config.stash[plan_key] = DevicePlan.detect(config.getoption("device"))
@@ -190,8 +192,14 @@ def is_distributed(item: pytest.Item) -> bool:
 
 
 def world_size_of(item: pytest.Item) -> int:
+    """The class's pinned world size, else ``--world-size`` raised to the
+    ``min_world_size`` marker's count."""
     pinned = declared_world_size(item.cls)  # type: ignore[attr-defined]
-    return pinned if pinned is not None else int(item.config.getoption("world_size"))
+    if pinned is not None:
+        return pinned
+    size = int(item.config.getoption("world_size"))
+    marker = item.get_closest_marker("min_world_size")
+    return size if marker is None else max(size, int(marker.args[0]))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -189,9 +189,12 @@ def _reset_dynamo() -> None:
 
 def _clear_dtensor_caches() -> None:
     """DTensor memoises sharding propagation and redistribution plans per device
-    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache);
-    a mesh holds its process groups, so without this a test whose DTensors used
-    a group it created would keep the group alive and be reported as leaking it."""
+    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache).
+    A mesh holds its process groups, so without this a test whose DTensors used
+    a group it created would keep the group alive and be reported as leaking it;
+    and meshes of the same shape compare equal, so a cached plan would name a
+    destroyed group in the next test or subtest ("Could not resolve the process
+    group registered under the name N")."""
     if "torch.distributed.tensor" not in sys.modules:
         return
     for name, module in list(sys.modules.items()):
@@ -228,8 +231,12 @@ class GroupTracker:
 
     def release_since(self, before: set[int]) -> None:
         """After a subtest: its groups are destroyed and, once its objects are
-        collected, their threads and sockets are gone."""
+        collected, their threads and sockets are gone. DTensor's caches go too:
+        they are keyed by device meshes, which compare equal across subtests
+        (by shape and ranks, not by group), so the next subtest's mesh would be
+        handed plans naming the destroyed groups (see ``_clear_dtensor_caches``)."""
         self.destroy_since(before)
+        _clear_dtensor_caches()
         gc.collect()
 
 
