@@ -334,7 +334,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"Expected optim_state_dict_config of type {optim_config_type} "
                 f"but got {type(optim_config)}"
             )
-        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        previous = _shared_settings(states_in(module, recurse=True))
         settings = StateDictSettings(state_dict_type, config, optim_config)
         for state in states_in(module, recurse=True):
             state.state_dict_settings = settings
@@ -342,18 +342,10 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The settings of the units under ``module`` (all units share them)."""
+        """The settings of the units under ``module`` (all units share them); see
+        [Note: _use_dtensor follows the device mesh] for units with a mesh."""
         states = states_in(module, recurse=True)
-        if not states:
-            raise ValueError("No FSDP modules found in the given module")
-        settings = states[0].state_dict_settings
-        for state in states[1:]:
-            if state.state_dict_settings != settings:
-                raise AssertionError(
-                    "All FSDP modules must have the same state dict settings."
-                    f"Got {state.state_dict_settings} and {settings}."
-                )
-        return optim_settings_with_mesh(states, settings)
+        return optim_settings_with_mesh(states, _shared_settings(states))
 
     @staticmethod
     @contextlib.contextmanager
@@ -610,3 +602,17 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _shared_settings(states: list[FSDPState]) -> StateDictSettings:
+    """The state-dict settings every unit of ``states`` has."""
+    if not states:
+        raise ValueError("No FSDP modules found in the given module")
+    settings = states[0].state_dict_settings
+    for state in states[1:]:
+        if state.state_dict_settings != settings:
+            raise AssertionError(
+                "All FSDP modules must have the same state dict settings."
+                f"Got {state.state_dict_settings} and {settings}."
+            )
+    return settings
