@@ -25,18 +25,22 @@ with them (facts read from torch, behaviour checked against it):
   ``use_orig_params`` such a name holds a new ``Parameter`` each time (a DTensor
   cannot be the ``.data`` of the local one).
 - Sharded state dicts and sharded optimizer state dicts: each value is a DTensor
-  on the root mesh. A tensor-parallel value keeps its placement on the last
-  (tensor-parallel) dimension and is ``Shard(0)`` on the one before (the data-
-  parallel one), replicated on the others: what ``DTensor.from_local(local,
-  root, [Replicate()] * (ndim - 1) + [placement]).redistribute(root, [...,
-  Shard(0), placement])`` makes, so its local tensor is the rank's data-parallel
-  chunk of its tensor-parallel shard. A plain value is ``Shard(0)`` on mesh
-  dimension 0 and replicated on the others. Full state dicts keep the DTensors
-  of the tensor-parallel mesh as the unsharded parameters are.
-- Loading either: a value on the root mesh is gathered over its data-parallel
-  dimension only (through ``fsdp._comm``), which gives back the rank's
-  tensor-parallel shard, wrapped again for the module to copy. A DTensor of the
-  tensor-parallel mesh (a full state dict's) loads its local tensor.
+  on the root mesh with the value's global shape. A tensor-parallel value keeps
+  its placement on the last (tensor-parallel) dimension and is ``Shard(0)`` on
+  the one before (the data-parallel one), replicated on the others; a plain
+  value is ``Shard(0)`` on mesh dimension 0 and replicated on the others (what
+  torch builds with ``DTensor.from_local(...).redistribute(...)``). The local
+  tensors are what DTensor's placements say: the rank's data-parallel chunk of
+  its tensor-parallel shard, except where the tensor-parallel placement splits
+  rows too (``Shard(0)``): DTensor then chunks the whole value over the data-
+  parallel dimension first and each chunk over the tensor-parallel one, so the
+  value is first gathered over the tensor-parallel group (through
+  ``fsdp._comm``) and cut so. Full state dicts keep the DTensors of the
+  tensor-parallel mesh as the unsharded parameters are.
+- Loading either: a value on the root mesh is gathered back to the parameter's
+  tensor-parallel shard (over the data-parallel group, and over both groups
+  where both split rows), then wrapped again for the module to copy. A DTensor
+  of the tensor-parallel mesh (a full state dict's) loads its local tensor.
 - Torch's FSDP loads a sharded optimizer state dict of such a unit by gathering
   each DTensor whole (every mesh dimension): with ``use_orig_params=False`` it
   then refuses the global shape ("Tensor optimizer state does not have same
@@ -66,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
-from fsdp._shard_utils import full_tensor, gather_mesh_dim
+from fsdp._shard_utils import full_tensor, gather_rows
 
 
 def local_of(tensor: Tensor) -> Tensor:
@@ -157,31 +161,32 @@ class DTensorExtensions:
     # -- state dicts ---------------------------------------------------------------------------
 
     def chunk(self, value: Tensor, offload_to_cpu: bool) -> DTensor:
-        """A state-dict value (an unsharded parameter or optimizer state) on the root mesh."""
-        ndim = self.root_mesh.ndim
-        replicated: list[Any] = [Replicate() for _ in range(ndim)]
-        sharded: list[Any] = [Replicate() for _ in range(ndim)]
+        """A state-dict value (an unsharded parameter or optimizer state, a DTensor
+        of the tensor-parallel mesh or a plain tensor) on the root mesh."""
+        root = self.root_mesh
+        placements: list[Any] = [Replicate() for _ in range(root.ndim)]
         if isinstance(value, DTensor):
-            tp_placement = value.placements[0]
-            local = local_of(value).detach().clone()
-            replicated[-1] = tp_placement
-            sharded[-2], sharded[-1] = DShard(0), tp_placement
+            placements[-2], placements[-1] = DShard(0), value.placements[0]
+            local = self._data_parallel_chunk(value)
         else:
-            local = value.detach().clone()
-            sharded[0] = DShard(0)
-        result = DTensor.from_local(local, self.root_mesh, replicated, run_check=False)
-        result = result.redistribute(device_mesh=self.root_mesh, placements=sharded)
-        return result.cpu() if offload_to_cpu else result
+            placements[0] = DShard(0)
+            local = _chunk_rows(value.detach(), root, 0)
+        local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
+        return DTensor.from_local(
+            local, root, placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
 
-    def data_parallel_dim(self, value: DTensor) -> int | None:
-        """The mesh dimension of ``value`` that FSDP sharded (None: none is)."""
-        if value.device_mesh != self.root_mesh:
-            return None
-        last = self.root_mesh.ndim - 1
-        dims = [d for d, p in enumerate(value.placements) if d != last and p == DShard(0)]
-        if len(dims) > 1:
-            raise ValueError(f"cannot load a DTensor placed {value.placements} into FSDP")
-        return dims[0] if dims else None
+    def _data_parallel_chunk(self, value: DTensor) -> Tensor:
+        """This rank's part of a tensor-parallel value placed ``(..., Shard(0),
+        placement)`` on the root mesh. When the tensor-parallel placement splits
+        rows too, DTensor splits the whole value over the data-parallel dimension
+        first and each chunk over the tensor-parallel one: the value is gathered
+        over the tensor-parallel group (through fsdp._comm) to cut it so."""
+        root, local = self.root_mesh, local_of(value).detach()
+        if value.placements[0] != DShard(0):
+            return _chunk_rows(local, root, root.ndim - 2)
+        whole = gather_rows(local, value.shape, value.device_mesh.get_group(), local.device)
+        return _chunk_rows(_chunk_rows(whole, root, root.ndim - 2), root, root.ndim - 1)
 
     def gather(
         self,
@@ -192,14 +197,54 @@ class DTensorExtensions:
     ) -> Tensor:
         """A loaded value as its parameter's local tensor of ``shape`` (see [Note:
         Tensor-parallel parameters]); a value of another kind is gathered whole."""
-        if isinstance(value, DTensor):
-            dim = self.data_parallel_dim(value)
-            if dim is not None:
-                return gather_mesh_dim(value, dim, shape, device)
-            if value.device_mesh == self.root_mesh or (
-                extension is not None and value.device_mesh == extension.mesh
-            ):
-                return local_of(value)
+        if isinstance(value, DTensor) and value.device_mesh == self.root_mesh:
+            return self._tensor_parallel_local(value, shape, device)
+        if (
+            isinstance(value, DTensor)
+            and extension is not None
+            and value.device_mesh == extension.mesh
+        ):
+            return local_of(value)
         if isinstance(value, (DTensor, ShardedTensor)):
             return full_tensor(value, device)
         return value
+
+    def _tensor_parallel_local(
+        self, value: DTensor, shape: torch.Size, device: torch.device
+    ) -> Tensor:
+        """The inverse of ``chunk``: gathers the data-parallel dimension back (and,
+        where the tensor-parallel placement splits rows too, the whole value)."""
+        root = self.root_mesh
+        dims = [d for d in range(root.ndim - 1) if value.placements[d] == DShard(0)]
+        if len(dims) != 1:
+            raise ValueError(f"cannot load a DTensor placed {value.placements} into FSDP")
+        dp_dim, tp_dim = dims[0], root.ndim - 1
+        local = local_of(value).to(device)
+        if value.placements[tp_dim] != DShard(0):
+            return gather_rows(local, shape, root.get_group(dp_dim), device)
+        rows = _chunk_size(value.shape[0], root.size(dp_dim), _coordinate(root, dp_dim))
+        block = gather_rows(
+            local, torch.Size([rows, *value.shape[1:]]), root.get_group(tp_dim), device
+        )
+        whole = gather_rows(block, value.shape, root.get_group(dp_dim), device)
+        return _chunk_rows(whole, root, tp_dim)
+
+
+def _coordinate(mesh: DeviceMesh, dim: int) -> int:
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the unit's device mesh"
+    return coordinate[dim]
+
+
+def _chunk_size(rows: int, parts: int, index: int) -> int:
+    """How many rows ``torch.chunk`` gives chunk ``index`` of ``parts`` (0 beyond the last)."""
+    size = -(-rows // parts)
+    return max(0, min(size, rows - index * size))
+
+
+def _chunk_rows(tensor: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
+    """This rank's ``torch.chunk`` of ``tensor``'s rows over mesh dimension ``dim``
+    (empty beyond the number of chunks, as DTensor's ``Shard(0)``)."""
+    chunks = torch.chunk(tensor, mesh.size(dim), dim=0)
+    index = _coordinate(mesh, dim)
+    return chunks[index] if index < len(chunks) else tensor[0:0]

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harness import current_device_type
-from models.tensor_parallel import MLPModule, MLPStacked, RMSNormPython
+from models import MLPModule, MLPStacked, RMSNormPython
 from upstream.common_distributed import (
     TEST_SKIPS,
     MultiProcContinuousTest,
