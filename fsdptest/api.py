@@ -20,8 +20,11 @@ with that message. ``fsdptest`` itself needs ``REQUIRED``: without them importin
 this module fails at once.
 
 The private names (``SEAMS``, ``FlatParamHandle``, ``HandleTrainingState``,
-``_get_training_state``, ...) are each implementation's internals: ours, or
-torch's under ``--fsdp-impl torch``. For another implementation the plain ones
+``_get_training_state``, the chunked sharded-tensor/DTensor helpers of
+``_shard_utils``, ``_get_param_to_fqns``, ...) are each implementation's
+internals: ours, or torch's under ``--fsdp-impl torch``. Torch's exec-order
+tracer (``_ExecOrderTracer``) has no counterpart in ours: a test using it skips
+with ``EXEC_ORDER_TRACER_MISSING`` as the reason. For another implementation the plain ones
 fall back (``clean_tensor_name`` strips torch's wrapper prefixes unless the module
 has its own, ``NO_RESHARD_AFTER_FORWARD_STRATEGIES`` is read off its
 ``ShardingStrategy``, the environment switches keep torch's names), and the rest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import sys
 import textwrap
+import unittest
 from pathlib import Path
 from typing import Any
 
@@ -420,3 +421,26 @@ def test_skip_if_lt_x_gpu_runs_on_cpu_and_keeps_the_signature() -> None:
     if not torch.cuda.is_available():
         assert body(None, "cpu") == "cpu"
     assert TEST_SKIPS["multi-gpu-2"].message == "Need at least 2 CUDA devices"
+
+
+# -- upstream's FSDP-adjacent private helpers in the facade -----------------------------------
+
+
+def test_facade_gives_ours_private_helpers_or_skips_naming_them() -> None:
+    """``fsdptest.api`` gives our FSDP's equivalents of torch's private helpers that
+    upstream files import (``_get_param_to_fqns`` as torch's), and a stand-in that
+    skips, naming it, where ours has none (the exec-order tracer)."""
+    import torch.distributed.fsdp._common_utils as torch_common
+
+    from fsdptest import api
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight = model[0].weight
+    for dedup in (True, False):
+        ours = {tuple(v) for v in api._get_param_to_fqns(model, dedup).values()}
+        torch_s = {tuple(v) for v in torch_common._get_param_to_fqns(model, dedup).values()}
+        assert ours == torch_s
+    if api.IMPL == "local":
+        with pytest.raises(unittest.SkipTest, match="_ExecOrderTracer"):
+            api._ExecOrderTracer()
+        assert api._create_chunk_dtensor.__module__ == "fsdp._shard_utils"
