@@ -171,10 +171,15 @@ class DTensorExtensions:
         else:
             placements[0] = DShard(0)
             local = _chunk_rows(value.detach(), root, 0)
-        local = local.to("cpu", copy=True) if offload_to_cpu else local.clone()
-        return DTensor.from_local(
-            local, root, placements, run_check=False, shape=value.shape, stride=value.stride()
+        result = DTensor.from_local(
+            local.clone(),
+            root,
+            placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
         )
+        return result.cpu() if offload_to_cpu else result  # after: from_local moves to the mesh
 
     def _data_parallel_chunk(self, value: DTensor) -> Tensor:
         """This rank's part of a tensor-parallel value placed ``(..., Shard(0),

@@ -125,20 +125,26 @@ def row_placements(mesh: DeviceMesh) -> list[Any]:
 
 def chunk_dtensor(tensor: Tensor, mesh: DeviceMesh, offload_to_cpu: bool = False) -> DTensor:
     """``tensor`` chunked on dim 0 over the last dimension of ``mesh`` (a copy of
-    this rank's chunk, on the CPU with ``offload_to_cpu``)."""
+    this rank's chunk; with ``offload_to_cpu`` moved to the CPU after the DTensor
+    is made, as ``DTensor.from_local`` moves a local tensor to the mesh's device)."""
     full = tensor.detach()
     if full.dim() == 0:
-        local = full.to("cpu", copy=True) if offload_to_cpu else full.clone()
-        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        value = DTensor.from_local(full.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return value.cpu() if offload_to_cpu else value
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the unit's device mesh"
     chunks = torch.chunk(full, mesh.size(mesh.ndim - 1), dim=0)
     index = coordinate[-1]
     chunk = chunks[index] if index < len(chunks) else full[0:0]
-    local = chunk.to("cpu", copy=True) if offload_to_cpu else chunk.clone()
-    return DTensor.from_local(
-        local, mesh, row_placements(mesh), run_check=False, shape=full.shape, stride=full.stride()
+    value = DTensor.from_local(
+        chunk.clone(),
+        mesh,
+        row_placements(mesh),
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
     )
+    return value.cpu() if offload_to_cpu else value
 
 
 def gather_rows(local: Tensor, shape: torch.Size, group: Any, device: torch.device) -> Tensor:
