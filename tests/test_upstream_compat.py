@@ -444,3 +444,32 @@ def test_facade_gives_ours_private_helpers_or_skips_naming_them() -> None:
         with pytest.raises(unittest.SkipTest, match="_ExecOrderTracer"):
             api._ExecOrderTracer()
         assert api._create_chunk_dtensor.__module__ == "fsdp._shard_utils"
+
+
+def test_meshes_over_destroyed_groups_leave_torch_mesh_registries() -> None:
+    """Torch before 2.13 maps sliced meshes to their roots (and roots to flattened
+    meshes) in ``_mesh_resources``, keyed by meshes that compare by shape and ranks:
+    the entries over a test's destroyed groups go, the others stay."""
+    import torch.distributed.device_mesh as device_mesh
+
+    from harness._rank.isolation import forget_meshes_of
+
+    class FakeMesh:
+        def __init__(self, names: list[str]) -> None:
+            self._dim_group_names = names
+
+    resources = device_mesh._mesh_resources
+    child, root, kept = FakeMesh(["3"]), FakeMesh(["3", "4"]), FakeMesh(["0"])
+    resources.child_to_root_mapping = {child: root, kept: kept}  # type: ignore[attr-defined]
+    resources.root_to_flatten_mapping = {kept: {"dp_tp": child}}  # type: ignore[attr-defined]
+    stack_depth = len(resources.mesh_stack)
+    resources.mesh_stack.extend([root, kept])  # type: ignore[list-item]
+    try:
+        forget_meshes_of({"4"})
+        assert resources.child_to_root_mapping == {kept: kept}  # type: ignore[attr-defined]
+        assert resources.mesh_stack[stack_depth:] == [kept]
+        forget_meshes_of({"3"})
+        assert resources.root_to_flatten_mapping == {}  # type: ignore[attr-defined]
+    finally:
+        del resources.child_to_root_mapping, resources.root_to_flatten_mapping  # type: ignore[attr-defined]
+        del resources.mesh_stack[stack_depth:]

@@ -224,10 +224,11 @@ class GroupTracker:
 
     def destroy_since(self, before: set[int]) -> None:
         default = _default_group()
-        for pg in _live_groups():
-            if id(pg) not in before and pg is not default:
-                dist.destroy_process_group(pg)
-                self.destroyed.append(weakref.ref(pg))
+        doomed = [pg for pg in _live_groups() if id(pg) not in before and pg is not default]
+        forget_meshes_of({pg.group_name for pg in doomed})
+        for pg in doomed:
+            dist.destroy_process_group(pg)
+            self.destroyed.append(weakref.ref(pg))
 
     def release_since(self, before: set[int]) -> None:
         """After a subtest: its groups are destroyed and, once its objects are
@@ -238,6 +239,37 @@ class GroupTracker:
         self.destroy_since(before)
         _clear_dtensor_caches()
         gc.collect()
+
+
+def forget_meshes_of(group_names: set[str]) -> None:
+    """Drops the device meshes over ``group_names`` from ``_mesh_resources``.
+
+    Torch before 2.13 keeps meshes in dicts of ``_mesh_resources`` (a sliced mesh
+    to its root, a root to its flattened meshes, ...) and in its stack of active
+    meshes; meshes compare by shape and ranks, so a mesh the next test or subtest
+    slices would be mapped to one whose groups are destroyed."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(module, "_mesh_resources", None)
+    if resources is None or not group_names:
+        return
+    for value in vars(resources).values():
+        if isinstance(value, dict):
+            for key in [
+                k for k, v in value.items() if _over(k, group_names) or _over(v, group_names)
+            ]:
+                del value[key]
+        elif isinstance(value, list):
+            value[:] = [mesh for mesh in value if not _over(mesh, group_names)]
+
+
+def _over(value: object, group_names: set[str]) -> bool:
+    """Whether ``value`` (a mesh, or a dict of meshes) is over one of ``group_names``."""
+    if isinstance(value, dict):
+        return any(_over(v, group_names) for v in value.values())
+    names = getattr(value, "_dim_group_names", None)  # torch 2.9 and later
+    if names is None:  # older: (tag, ranks, name) per dimension
+        names = [info[-1] for info in getattr(value, "_dim_group_infos", ())]
+    return any(name in group_names for name in names)
 
 
 def _live_groups() -> list[dist.ProcessGroup]:
