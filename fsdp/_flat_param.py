@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp._common import HandleTrainingState
+from fsdp._dtensor_extensions import DTensorExtensions, ParamExtension
 from fsdp._grads import FlatParamGrads, SummonedGrad
 from fsdp._layout import (
     FlatParamLayout,
@@ -139,6 +140,8 @@ class FlatParamHandle:
     has_optim_in_backward: bool
     _unshard_event: torch.cuda.Event | None
     _post_backward_hook: tuple[Any, RemovableHandle] | None
+    _fsdp_extension: DTensorExtensions | None
+    _param_extensions: tuple[ParamExtension | None, ...]  # per original parameter
 
     def __init__(
         self,
@@ -153,7 +156,7 @@ class FlatParamHandle:
         process_group: Any,
         use_orig_params: bool,
         *,
-        fsdp_extension: object | None = None,
+        fsdp_extension: DTensorExtensions | None = None,
         use_unsafe_setattr: bool = False,
     ) -> None:
         params = list(params)
@@ -161,9 +164,10 @@ class FlatParamHandle:
             raise ValueError(
                 f"Cannot construct a {type(self).__name__} with an empty parameter list"
             )
-        if fsdp_extension is not None:
-            raise NotImplementedError("FSDP extensions (tensor parallel layouts) are not supported")
+        if fsdp_extension is not None:  # see [Note: Tensor-parallel parameters]
+            params = fsdp_extension.localize(params, fully_sharded_module)
         _check_uniform(params, use_orig_params)
+        self._fsdp_extension = fsdp_extension
         self.process_group = process_group
         self.rank = process_group.rank()
         self.world_size = process_group.size()
@@ -183,8 +187,16 @@ class FlatParamHandle:
         self.storage = FlatParamStorage(
             self.flat_param, self.shard, device, offload_params, mp_param_dtype
         )
+        self._param_extensions = tuple(
+            None if fsdp_extension is None else fsdp_extension.extension_of(p) for p in ordered
+        )
         self.views = OrigParamViews(
-            self.layout, self.shard, ordered, use_orig_params, not use_unsafe_setattr
+            self.layout,
+            self.shard,
+            ordered,
+            use_orig_params,
+            not use_unsafe_setattr,
+            self._param_extensions,
         )
         self.grads = FlatParamGrads(self.flat_param, self.shard, offload_params)
         self.training_state = HandleTrainingState.IDLE

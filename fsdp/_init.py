@@ -29,7 +29,12 @@ each module that has parameters or buffers of its own, on ``device_id`` or the
 current device.
 
 [Note: Process groups]
-``process_group`` is the sharding group (default: the world). Hybrid strategies
+``process_group`` is the sharding group (default: the world). A ``device_mesh``
+gives the groups instead: a non-hybrid unit shards over the group of its
+dimension 0, a hybrid one needs a 2-D mesh and replicates over dimension 0,
+sharding over dimension 1; a mesh sliced from a larger one composes with tensor
+parallelism over the others (see [Note: Tensor-parallel parameters] in
+fsdp._dtensor_extensions). Hybrid strategies
 take a ``(shard_group, replicate_group)`` pair, or build one from the world:
 ranks of one host shard (a host holds ``torch.cuda.device_count()`` ranks under
 NCCL, the whole world under gloo), ranks with the same local rank replicate.
@@ -50,9 +55,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp import _comm, _registry
 from fsdp._common import HYBRID_SHARDING_STRATEGIES, EnvSwitches, ProcessGroups
+from fsdp._dtensor_extensions import DTensorExtensions, local_of
 from fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
 from fsdp._ignored import Ignored
 from fsdp._runtime import FSDPState, UnitConfig
@@ -348,8 +355,10 @@ def sync_states(
 ) -> None:
     """``sync_module_states``: every rank starts from the first rank's values."""
     src = _comm.group_ranks(group)[0]
-    tensors = [p.data for p in params] + [m._buffers[n] for m, n in buffers]
-    if device.type != "cpu" and any(t is not None and t.device.type == "cpu" for t in tensors):
+    with torch.no_grad():  # a DTensor's local tensor (see [Note: Tensor-parallel parameters])
+        tensors = [local_of(p.data) for p in params]
+        tensors += [local_of(m._buffers[n]) for m, n in buffers if m._buffers[n] is not None]
+    if device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
         raise ValueError(
             "The module has CPU parameters or buffers when `sync_module_states=True`, which "
             "requires them to be on GPU. Please specify the `device_id` argument or move the "
@@ -357,8 +366,6 @@ def sync_states(
         )
     with torch.no_grad():
         for tensor in tensors:
-            if tensor is None:
-                continue
             on_device = tensor if tensor.device == device else tensor.to(device)
             _comm.broadcast(on_device, src=src, group=group)
             if on_device is not tensor:
@@ -381,10 +388,36 @@ class UnitArgs(NamedTuple):
     use_orig_params: bool
 
 
+def check_dtensor_params(
+    root: nn.Module, params: list[nn.Parameter], extension: DTensorExtensions | None
+) -> None:
+    """DTensor parameters need a unit over a slice of their mesh (see [Note:
+    Tensor-parallel parameters])."""
+    if extension is not None:
+        return
+    for param in params:
+        if isinstance(param, DTensor):
+            name = next(n for n, p in root.named_parameters() if p is param)
+            raise RuntimeError(
+                f"FSDP got the DTensor parameter {name} (placements {param.placements}): "
+                "DTensor parameters are flattened through their local tensors only when "
+                "device_mesh is the data-parallel dimension of the mesh their tensor "
+                'parallelism was sliced from (e.g. device_mesh=mesh_2d["dp"]), '
+                "not with a process group or a mesh of its own"
+            )
+
+
 def build_unit(
-    owner: nn.Module, managed: nn.Module, args: UnitArgs, ignored: Ignored, groups: ProcessGroups
+    owner: nn.Module,
+    managed: nn.Module,
+    args: UnitArgs,
+    ignored: Ignored,
+    groups: ProcessGroups,
+    device_mesh: Any = None,
 ) -> FSDPState:
-    """Creates the unit's state and its (sharded) flat parameter."""
+    """Creates the unit's state and its (sharded) flat parameter; with a
+    ``device_mesh`` sliced from a larger mesh, its DTensor parameters compose
+    with tensor parallelism (fsdp._dtensor_extensions)."""
     strategy = resolve_strategy(args.sharding_strategy, groups.shard.size())
     rank = groups.shard.rank()
     check_single_device(managed_params(managed_modules(managed, ignored), ignored), args.device_id)
@@ -395,6 +428,8 @@ def build_unit(
     if device_id is not None:
         move_to(modules, device_id, ignored)
     params = managed_params(modules, ignored)
+    extension = DTensorExtensions.for_mesh(device_mesh)
+    check_dtensor_params(managed, params, extension)
     buffers = managed_buffers(modules)
     device = compute_device(params, device_id, rank)
     if device_id is None and params and params[0].device.type == "cpu" and device.type != "cpu":
@@ -415,8 +450,14 @@ def build_unit(
         use_orig_params=args.use_orig_params,
         env=EnvSwitches.read(),
     )
-    handle = _build_handle(params, managed, device, strategy, config, groups) if params else None
-    return FSDPState(owner, config, groups, device, handle, buffers, ignored)
+    handle = (
+        _build_handle(params, managed, device, strategy, config, groups, extension)
+        if params
+        else None
+    )
+    state = FSDPState(owner, config, groups, device, handle, buffers, ignored)
+    state.device_mesh = device_mesh
+    return state
 
 
 def _build_handle(
@@ -426,6 +467,7 @@ def _build_handle(
     strategy: ShardingStrategy,
     config: UnitConfig,
     groups: ProcessGroups,
+    extension: DTensorExtensions | None,
 ) -> FlatParamHandle:
     mp = config.mixed_precision
     handle = FlatParamHandle(
@@ -439,6 +481,7 @@ def _build_handle(
         mp.keep_low_precision_grads,
         groups.shard,
         config.use_orig_params,
+        fsdp_extension=extension,
         use_unsafe_setattr=config.env.use_unsafe_setattr,
     )
     handle.shard_in_place()

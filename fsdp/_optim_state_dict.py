@@ -75,7 +75,6 @@ own part.
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -84,21 +83,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import (
-    Shard,
     ShardedTensor,
-    ShardedTensorMetadata,
-    TensorProperties,
 )
-from torch.distributed._shard.sharding_spec import ShardMetadata
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fsdp import _comm
 from fsdp._common import clean_tensor_name
+from fsdp._dtensor_extensions import DTensorExtensions
 from fsdp._flat_param import FlatParamHandle
 from fsdp._layout import FlatParamLayout
 from fsdp._runtime import FSDPState
-from fsdp._state_dict import _row_shard, full_tensor
+from fsdp._shard_utils import chunk_dtensor, chunk_sharded_tensor, full_tensor
+from fsdp._state_dict import _mesh
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp.api import OptimStateKeyType
 
@@ -172,9 +169,11 @@ class SaveForm(NamedTuple):
     shard: bool  # the sharded form: ShardedTensor / DTensor rows
     offload: bool  # to the CPU
 
-    def tensor(self, value: Tensor, unit: UnitLayout) -> Any:
+    def tensor(self, value: Tensor, unit: UnitLayout, index: int) -> Any:
+        """The full state ``value`` of the unit's parameter ``index`` as saved."""
         if self.shard:
-            return unit.sharded_rows(value, self.offload)
+            return unit.sharded_rows(value, self.offload, index)
+        value = unit.as_param_sees(value, index)
         return value.cpu() if self.offload else value
 
     def scalar(self, value: Any) -> Any:
@@ -275,13 +274,23 @@ class UnitLayout:
         _comm.all_gather(full, local, self.group)
         return full[: self.handle.unpadded_numel]
 
-    def sharded_rows(self, value: Tensor, offload: bool) -> Tensor:
-        """This rank's rows of a full tensor state, as the unit's optimizer
-        state-dict config asks (ShardedTensor unless ``_use_dtensor``)."""
+    def as_param_sees(self, value: Tensor, index: int) -> Tensor:
+        """A full state of parameter ``index`` in the parameter's form: a DTensor
+        for a tensor-parallel one (see [Note: Tensor-parallel parameters])."""
+        return DTensorExtensions.unflatten(value, self.handle._param_extensions[index])
+
+    def sharded_rows(self, value: Tensor, offload: bool, index: int) -> Tensor:
+        """This rank's rows of a full tensor state of parameter ``index``, as the
+        unit's optimizer state-dict config asks (ShardedTensor unless
+        ``_use_dtensor``; a tensor-parallel unit's on the root mesh)."""
         config = self.state.state_dict_settings.optim_state_dict_config
+        extension = self.handle._fsdp_extension
+        if extension is not None:
+            return extension.chunk(self.as_param_sees(value, index), offload)
         if getattr(config, "_use_dtensor", False):
-            return _row_shard(value, self.state, offload)
-        return _chunk_sharded_tensor(value, self, offload)
+            return chunk_dtensor(value, _mesh(self.state), offload)
+        local = value.to("cpu") if offload else value
+        return chunk_sharded_tensor(local, self.rank, self.world_size, self.group)
 
     # -- where the original parameters lie -------------------------------------------------
 
@@ -330,7 +339,7 @@ class UnitLayout:
         views = {name: self.unflatten(flat) for name, flat in flats.items()}
         return [
             {
-                **{name: form.tensor(v[i], self) for name, v in views.items()},
+                **{name: form.tensor(v[i], self, i) for name, v in views.items()},
                 **{name: form.scalar(value) for name, value in scalars.items()},
             }
             for i in range(len(self.fqns))
@@ -357,7 +366,7 @@ class UnitLayout:
             views = self.unflatten(self.gather(self.shard_of_parts(parts, dtype)))
             for fqn in states:
                 if any(name in info[fqn].tensors for info in infos if fqn in info):
-                    out[fqn][name] = form.tensor(views[self.index(fqn)], self)
+                    out[fqn][name] = form.tensor(views[self.index(fqn)], self, self.index(fqn))
         return out if to_save else {}
 
     def _local_orig_states(
@@ -389,8 +398,21 @@ class UnitLayout:
 
     # -- loading -----------------------------------------------------------------------------
 
-    def gathered(self, state: dict[str, Any]) -> dict[str, Any]:
-        return _gathered(state, self.device)
+    def gathered(self, fqn: str, state: dict[str, Any]) -> dict[str, Any]:
+        """``fqn``'s state with sharded values gathered (collectives in state-name
+        order); a tensor-parallel unit's values become the parameter's local form
+        (see [Note: Tensor-parallel parameters])."""
+        extension = self.handle._fsdp_extension
+        if extension is None:
+            return _gathered(state, self.device)
+        index = self.index(fqn)
+        param_extension = self.handle._param_extensions[index]
+        shape = self._flat.shapes[index]
+        out = dict(state)
+        for name, value in _sorted_items(state):
+            if isinstance(value, (ShardedTensor, DTensor)) and value.dim() > 0:
+                out[name] = extension.gather(value, shape, param_extension, self.device)
+        return out
 
     def flatten_state(self, states: list[dict[str, Any] | None]) -> dict[str, Any]:
         """The local state of the flat parameter from its original parameters' full
@@ -456,7 +478,7 @@ class UnitLayout:
         (``use_orig_params=True``): {} when this rank holds none of it."""
         if not state:
             return {}
-        state = self.gathered(state)
+        state = self.gathered(fqn, state)
         index = self.index(fqn)
         if not self.handle.flat_param._shard_param_infos[index].in_shard:
             return {}
@@ -490,43 +512,6 @@ def _gathered(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if isinstance(value, (ShardedTensor, DTensor)):
             out[name] = full_tensor(value, device)
     return out
-
-
-def _placement(global_rank: int, device: torch.device) -> str:
-    if device.type == "cpu":
-        return f"rank:{global_rank}/cpu"
-    index = global_rank % torch.cuda.device_count() if device.index is None else device.index
-    return f"rank:{global_rank}/{device.type}:{index}"
-
-
-def _chunk_sharded_tensor(value: Tensor, unit: UnitLayout, offload: bool) -> ShardedTensor:
-    """This rank's rows of ``value`` (``torch.chunk`` over the unit's group) as a
-    ``ShardedTensor``; no communication."""
-    device = torch.device("cpu") if offload else value.device
-    chunks = value.chunk(unit.world_size, dim=0)
-    rows = math.ceil(value.shape[0] / unit.world_size)
-    ranks = _comm.group_ranks(unit.group)
-    tail = [0] * (value.dim() - 1)
-    metadata = [
-        ShardMetadata(
-            [r * rows, *tail],
-            list(chunk.shape),
-            _placement(ranks[r], device if r == unit.rank else torch.device(device.type)),
-        )
-        for r, chunk in enumerate(chunks)
-    ]
-    local = []
-    if unit.rank < len(chunks):
-        tensor = chunks[unit.rank].detach().to(device, copy=True).contiguous()
-        local = [Shard.from_tensor_and_offsets(tensor, [unit.rank * rows, *tail], ranks[unit.rank])]
-    properties = TensorProperties(
-        dtype=value.dtype, layout=value.layout, requires_grad=False, pin_memory=False
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local,
-        ShardedTensorMetadata(metadata, value.shape, properties),
-        process_group=unit.group,
-    )
 
 
 class ModelParams:
@@ -832,7 +817,7 @@ class _Loader:
             return _gathered(state[key.fqns[0]], self.params.device)
         unit = self.params.unit_of[key.fqns[0]]
         if not self.params.use_orig_params:
-            gathered = [unit.gathered(state[f]) if f in state else None for f in key.fqns]
+            gathered = [unit.gathered(f, state[f]) if f in state else None for f in key.fqns]
             return unit.flatten_state(gathered) or None
         local = unit.part_state(key.fqns[0], state[key.fqns[0]])
         if local:
@@ -950,3 +935,21 @@ def warn_legacy(current: str, replacement: str) -> None:
         FutureWarning,
         stacklevel=3,
     )
+
+
+def _get_param_to_fqns(
+    model: nn.Module, dedup_shared_params: bool = True
+) -> dict[nn.Parameter, list[str]]:
+    """torch's name: each parameter of ``model`` with the FQNs it stands for (a
+    flat parameter: its original parameters', in flat order; no wrapper prefixes).
+    A parameter registered under several names keeps its first one, or, without
+    ``dedup_shared_params``, all of them."""
+    params = ModelParams(model)
+    out = {param: list(fqns) for param, fqns in params.fqns.items()}
+    if not dedup_shared_params:
+        flat = {id(unit.handle.flat_param) for unit in params.units}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            fqn = clean_tensor_name(name)
+            if id(param) not in flat and fqn not in out[param]:
+                out[param].append(fqn)
+    return out

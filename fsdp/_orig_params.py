@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from fsdp._common import HandleTrainingState
+from fsdp._dtensor_extensions import DTensorExtensions, ParamExtension, local_of
 from fsdp._grads import FlatParamGrads, assign_grad
 from fsdp._layout import FlatParamLayout, ParamInfo, ShardLayout
 from fsdp._placeholder import ShardedParamPlaceholder
@@ -119,6 +120,7 @@ class OrigParamViews:
     _shown_ptrs: list[int]  # data pointer of each parameter as last shown (resharded)
     _grad_views: tuple[Tensor, list[Tensor | None]] | None  # a gradient and its views
     _grad_ptrs: list[int]  # data pointer of each parameter's gradient as last shown
+    _extensions: tuple[ParamExtension | None, ...]  # see [Note: Tensor-parallel parameters]
 
     def __init__(
         self,
@@ -127,6 +129,7 @@ class OrigParamViews:
         params: tuple[nn.Parameter, ...],
         use_orig_params: bool,
         safe_setattr: bool,
+        extensions: tuple[ParamExtension | None, ...] = (),
     ) -> None:
         self.layout = layout
         self.shard = shard
@@ -142,6 +145,7 @@ class OrigParamViews:
         self._shown_ptrs = [-1] * layout.num_params
         self._grad_views = None
         self._grad_ptrs = [-1] * layout.num_params
+        self._extensions = extensions or (None,) * layout.num_params
         self.refresh_placeholders(params[0].dtype, params[0].device)
 
     def refresh_placeholders(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -167,7 +171,7 @@ class OrigParamViews:
         ):
             self._show_forward_views()
             return
-        views = self.layout.views(flat)
+        views = self._unflattened(flat)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             if as_params:
                 self._set_param_view(i, info, view, flat.requires_grad)
@@ -176,8 +180,14 @@ class OrigParamViews:
         self._alias_shared()
         self.mode = ViewMode.UNSHARDED_PARAMS if as_params else ViewMode.UNSHARDED_TENSORS
 
+    def _unflattened(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's view of ``flat`` as the module sees it: a tensor-parallel
+        parameter's as a DTensor (see [Note: Tensor-parallel parameters])."""
+        views = self.layout.views(flat)
+        return [DTensorExtensions.unflatten(v, e) for v, e in zip(views, self._extensions)]
+
     def _set_param_view(self, i: int, info: ParamInfo, view: Tensor, requires_grad: bool) -> None:
-        if self.use_orig_params:
+        if self.use_orig_params and self._extensions[i] is None:
             param = self.params[i]
             param.data = view
         else:
@@ -188,7 +198,7 @@ class OrigParamViews:
         """Every forward view exists and still views its part of ``flat``."""
         base, size = flat.data_ptr(), flat.element_size()
         for tensor, offset in zip(self._forward_tensors, self.layout.offsets):
-            if tensor is None or tensor.data_ptr() != base + offset * size:
+            if tensor is None or local_of(tensor).data_ptr() != base + offset * size:
                 return False
         return True
 
@@ -216,7 +226,8 @@ class OrigParamViews:
         if phase is HandleTrainingState.FORWARD:
             self._forward_tensors[i] = view
         elif phase is HandleTrainingState.BACKWARD_PRE and saved is not None:
-            saved.data = view  # keeps forward's autograd graph pointing here
+            # keeps forward's autograd graph pointing here (a DTensor's local tensor)
+            local_of(saved).data = local_of(view)
             tensor = saved
         self._name_tensor(info, tensor)
 
@@ -271,7 +282,8 @@ class OrigParamViews:
                 self._point(i, view)
                 set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
             else:
-                set_tensor(info.module, info.param_name, view, self.safe_setattr)
+                shown = DTensorExtensions.unflatten(view, self._extensions[i])
+                set_tensor(info.module, info.param_name, shown, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, local_shard: Tensor) -> None:

@@ -21,15 +21,16 @@ module saves them (not copied).
   unshards, lets the module copy into the exposed parameters, then writes each
   rank's part back into its shard.
 - ``SHARDED_STATE_DICT``: like full, but each parameter is a ``ShardedTensor``
-  chunked on dim 0 (``torch.chunk``; rank ``r`` holds chunk ``r`` and, where
-  there are fewer chunks than ranks, nothing), whose metadata every rank builds
-  alone (no communication). With ``_use_dtensor`` or a ``device_mesh`` the value
-  is a ``DTensor`` sharded on the mesh's last dimension instead. Load gathers
-  each parameter (``full_tensor``: padded rows through ``fsdp._comm``, over the
-  group the value is chunked over, so also from another wrapping; a
-  ``DTensor``'s own ``full_tensor`` would bypass the seam and keep its group
-  referenced), every rank in the same order, then loads it as full. A 0-dim
-  parameter cannot be chunked and stays a plain tensor.
+  chunked on dim 0 over the unit's sharding group, or with ``_use_dtensor`` (set
+  whenever the unit has a device mesh) a ``DTensor`` on the unit's mesh (see
+  [Note: Rows chunked as torch.chunk] in fsdp._shard_utils; a unit composed with
+  tensor parallelism saves DTensors of the mesh its mesh was sliced from, see
+  [Note: Tensor-parallel parameters] in fsdp._dtensor_extensions). Load gathers
+  each parameter (see [Note: Gathering chunked rows]), every rank in the same
+  (flat) order, then loads it as full. A value of any kind, wrapping, world size
+  or mesh loads (torch's FSDP loads only the kind and mesh it saves, asserted in
+  ``suites/test_fsdp_dtensor_state_dict.py``). A 0-dim parameter cannot be
+  chunked and stays a plain tensor.
 - ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
   ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
   that holds only padding has no local shard), so it survives ``torch.save``
@@ -47,6 +48,17 @@ module saves them (not copied).
   ``suites/test_property_findings.py``). Unlike torch's, the local shard does
   not require grad (torch's is a view of the flat parameter created under
   ``no_grad``, which a gloo gather in grad mode refuses).
+
+[Note: _use_dtensor follows the device mesh]
+As torch's: before a unit with a device mesh (and a sharded strategy) saves or
+loads, ``LOCAL_STATE_DICT`` is refused ("DeviceMesh is not compatible with
+LOCAL_STATE_DICT") and a ``ShardedStateDictConfig``'s ``_use_dtensor`` becomes
+True; ``get_state_dict_type`` of units some of which have a mesh refuses
+``LOCAL_STATE_DICT`` likewise and makes the optimizer config's ``_use_dtensor``
+True (``optim_state_dict`` asks it first). Torch sets the flag on the config
+object every unit shares, so it stays until ``set_state_dict_type`` installs
+another config; the configs here are frozen, so every unit holding the same
+settings gets new settings with the flag set.
 
 [Note: Buffers in full and sharded state dicts]
 As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
@@ -66,40 +78,88 @@ every save and load: there is nothing to shard, and ``rank0_only`` /
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
-import math
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    Shard,
-    ShardedTensor,
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from fsdp import _comm
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_tensor_name
+from fsdp._dtensor_extensions import DTensorExtensions
 from fsdp._runtime import FSDPState
+from fsdp._shard_utils import (
+    chunk_dtensor,
+    chunk_sharded_tensor,
+    full_tensor,
+    sharded_tensor,
+)
 from fsdp._unshard_params import SummonedUnit, ensure_initialized, validate_unshard
 from fsdp._utils import _replace_by_prefix
 from fsdp.api import (
     FullStateDictConfig,
+    ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 
 _NO_SHARD_WARNING = (
     "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 )
+
+
+_LOCAL_WITH_MESH = (
+    "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
+    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
+)
+
+
+def _use_dtensor_with_mesh(state: FSDPState) -> None:
+    """See [Note: _use_dtensor follows the device mesh] (before a unit's state-dict
+    hooks; NO_SHARD units save full state dicts and are left alone)."""
+    if state.device_mesh is None or state.config.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return
+    settings = state.state_dict_settings
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        raise RuntimeError(_LOCAL_WITH_MESH)
+    config = settings.state_dict_config
+    if isinstance(config, ShardedStateDictConfig) and not config._use_dtensor:
+        new = dataclasses.replace(config, _use_dtensor=True)
+        _share(state.root.states, settings, dataclasses.replace(settings, state_dict_config=new))
+
+
+def optim_settings_with_mesh(
+    states: list[FSDPState], settings: StateDictSettings
+) -> StateDictSettings:
+    """``get_state_dict_type`` of units some of which have a device mesh (see
+    [Note: _use_dtensor follows the device mesh])."""
+    if all(s.device_mesh is None for s in states):
+        return settings
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        raise RuntimeError(_LOCAL_WITH_MESH)
+    config = settings.optim_state_dict_config
+    if isinstance(config, ShardedOptimStateDictConfig) and not config._use_dtensor:
+        new = dataclasses.replace(config, _use_dtensor=True)
+        settings_new = dataclasses.replace(settings, optim_state_dict_config=new)
+        _share(states, settings, settings_new)
+        return settings_new
+    return settings
+
+
+def _share(states: list[FSDPState], old: StateDictSettings, new: StateDictSettings) -> None:
+    """Every unit that holds ``old`` (``set_state_dict_type`` gives all the same
+    object) now holds ``new``: torch changes the one config object they share."""
+    for state in states:
+        if state.state_dict_settings is old:
+            state.state_dict_settings = new
 
 
 class _Settings(NamedTuple):
@@ -131,13 +191,19 @@ class _UnitKeys:
     Buffers in full and sharded state dicts])."""
 
     params: list[str]
+    param_indices: list[int]  # each key's parameter in the flat parameter
     buffers: list[str]
     buffer_dtypes: dict[str, torch.dtype]  # managed buffers: their original dtype
 
     def __init__(self, state: FSDPState, prefix: str) -> None:
         handle = state.handle
-        infos = [] if handle is None else [*handle.param_infos(), *handle.shared_param_infos()]
-        self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        own = [] if handle is None else list(handle.param_infos())
+        shared = [] if handle is None else list(handle.shared_param_infos())
+        self.params = [_key(prefix, i.module_name, i.param_name) for i in [*own, *shared]]
+        primaries = {(id(i.module), i.param_name): n for n, i in enumerate(own)}
+        self.param_indices = list(range(len(own))) + [
+            primaries[(id(i.prim_module), i.prim_param_name)] for i in shared
+        ]
         orig_dtypes: dict[tuple[int, str], torch.dtype] = {}
         for unit in state.subtree_states():
             orig_dtypes.update(unit.orig_buffer_dtypes)
@@ -205,112 +271,19 @@ def _check_saved(key: str, state_dict: dict[str, Any], state: FSDPState) -> None
         )
 
 
-# -- sharded tensors ---------------------------------------------------------------------------
+# -- sharded values (fsdp._shard_utils) ---------------------------------------------------------
 
 
-def _placement(global_rank: int, device: torch.device, own: bool) -> str:
-    if device.type == "cpu":
-        return f"rank:{global_rank}/cpu"
-    if own:
-        return f"rank:{global_rank}/{device}"
-    count = torch.get_device_module(device.type).device_count()
-    return f"rank:{global_rank}/{device.type}:{global_rank % max(count, 1)}"
+def _extension(state: FSDPState) -> DTensorExtensions | None:
+    return None if state.handle is None else state.handle._fsdp_extension
 
 
-def _sharded_tensor(
-    local: Tensor | None,
-    rank: int,
-    pieces: list[tuple[list[int], list[int]]],
-    size: torch.Size,
-    like: Tensor,
-    state: FSDPState,
-) -> ShardedTensor:
-    """A ``ShardedTensor`` of global ``size`` whose rank ``i`` holds the piece
-    ``pieces[i]`` (offsets, sizes; an empty piece: nothing), built without
-    communication; ``local`` is this rank's piece."""
-    global_ranks = _comm.group_ranks(state.process_group)
-    device = like.device
-    metadata = [
-        ShardMetadata(offsets, sizes, _placement(global_ranks[i], device, i == rank))
-        for i, (offsets, sizes) in enumerate(pieces)
-        if math.prod(sizes) > 0
-    ]
-    properties = TensorProperties(
-        dtype=like.dtype,
-        layout=like.layout,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    own = ShardMetadata(*pieces[rank], _placement(global_ranks[rank], device, True))
-    shards = [] if local is None or local.numel() == 0 else [Shard(local, own)]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards,
-        sharded_tensor_metadata=ShardedTensorMetadata(metadata, size, properties),
-        process_group=state.process_group,
-    )
-
-
-def _chunked(full: Tensor, state: FSDPState) -> ShardedTensor:
-    """``full`` chunked on dim 0 over the unit's group; this rank keeps a copy of its chunk."""
-    chunks = torch.chunk(full, state.world_size, dim=0)
-    starts = itertools.accumulate((c.size(0) for c in chunks), initial=0)
-    pieces = [
-        ([start] + [0] * (full.dim() - 1), list(c.size())) for start, c in zip(starts, chunks)
-    ]
-    empty = ([0] * full.dim(), [0] * full.dim())
-    pieces += [empty] * (state.world_size - len(chunks))
-    local = chunks[state.rank].clone() if state.rank < len(chunks) else None
-    return _sharded_tensor(local, state.rank, pieces, full.size(), full, state)
-
-
-def _row_shard(value: Tensor, state: FSDPState, offload_to_cpu: bool) -> DTensor:
-    """This rank's rows of ``value`` as a ``DTensor`` sharded on dim 0 over the
-    unit's mesh (the constructor's, or one over its process group; replicated
-    over the other dimensions); a 0-dim ``value`` is replicated."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard as DShard
-
-    mesh = state.device_mesh
-    if mesh is None:
-        mesh = DeviceMesh.from_group(state.process_group, state.compute_device.type)
-    full = value.detach()
-    if full.dim() == 0:
-        local = full.cpu() if offload_to_cpu else full.clone()
-        return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    placements = [Replicate() for _ in range(mesh.ndim - 1)] + [DShard(0)]
-    chunks = torch.chunk(full, state.world_size, dim=0)
-    local = chunks[state.rank] if state.rank < len(chunks) else full[0:0]
-    local = local.cpu() if offload_to_cpu else local.clone()
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
-
-
-def full_tensor(value: Tensor, device: torch.device) -> Tensor:
-    """The full tensor of a ``ShardedTensor`` / ``DTensor`` chunked by rows
-    (``torch.chunk`` over dim 0), all-gathered through ``fsdp._comm`` over the
-    group it is chunked over, so also into another wrapping. (``DTensor.full_tensor``
-    would bypass the seam, and its functional collectives keep the group
-    referenced after it is destroyed.)"""
-    if isinstance(value, DTensor):
-        if all(isinstance(p, Replicate) for p in value.placements):
-            return value.to_local()
-        group, local = value.device_mesh.get_group(value.device_mesh.ndim - 1), value.to_local()
-    else:
-        assert isinstance(value, ShardedTensor)
-        shards = value.local_shards()
-        if len(shards) > 1:
-            raise AssertionError(f"Expects 0 or 1 shard per rank but got {len(shards)} shards.")
-        group, local = value._process_group, shards[0].tensor if shards else None
-    shape = value.shape
-    rows = math.ceil(shape[0] / group.size())
-    chunk = torch.zeros((rows, *shape[1:]), dtype=value.dtype, device=device)
-    if local is not None:
-        chunk[: local.shape[0]].copy_(local)
-    full = chunk.new_empty(chunk.numel() * group.size())
-    _comm.all_gather(full, chunk.reshape(-1), group)
-    return full[: shape.numel()].view(shape)
+def _mesh(state: FSDPState) -> DeviceMesh:
+    """The unit's mesh: the constructor's, or one over its process group."""
+    if state.device_mesh is not None:
+        mesh: DeviceMesh = state.device_mesh
+        return mesh
+    return DeviceMesh.from_group(state.process_group, state.compute_device.type)
 
 
 def _valid_numel(state: FSDPState, rank: int) -> int:
@@ -330,7 +303,7 @@ def _flat_shard(state: FSDPState) -> ShardedTensor:
     pieces = [([r * numel], [_valid_numel(state, r)]) for r in range(state.world_size)]
     local = shard[: _valid_numel(state, state.rank)]
     size = torch.Size([handle.unpadded_numel])
-    return _sharded_tensor(local, state.rank, pieces, size, shard, state)
+    return sharded_tensor(local, state.rank, pieces, size, shard, state.process_group)
 
 
 def _local_shard_to_load(value: ShardedTensor, state: FSDPState) -> Tensor:
@@ -441,33 +414,42 @@ class _ShardedStateDict(_FullStateDict):
         value = value.detach()
         offload = config.offload_to_cpu
         if value.dim() == 0:
-            return value.cpu() if offload else value.clone()
+            return value.to("cpu", copy=True) if offload else value.clone()
+        extension = _extension(state)
+        if extension is not None:
+            return extension.chunk(value, offload)
         if config._use_dtensor or state.device_mesh is not None:
-            return _row_shard(value, state, offload)
-        sharded = _chunked(value, state)
+            return chunk_dtensor(value, _mesh(state), offload)
+        sharded = chunk_sharded_tensor(value, state.rank, state.world_size, state.process_group)
         return sharded.cpu() if offload else sharded
 
     def pre_load(
         self, state: FSDPState, state_dict: dict[str, Any], prefix: str
     ) -> SummonedUnit | None:
         # Every rank gathers the same parameters in the same (flat) order.
-        for key in _UnitKeys(state, prefix).params:
+        keys = _UnitKeys(state, prefix)
+        for key, index in zip(keys.params, keys.param_indices):
             value = state_dict.get(key)
             if isinstance(value, (ShardedTensor, DTensor)):
-                state_dict[key] = full_tensor(value, state.compute_device)
+                state_dict[key] = _loaded(value, state, index)
         return super().pre_load(state, state_dict, prefix)
 
 
-class _LocalStateDict(_Kind):
-    def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
-        if state.device_mesh is not None:
-            raise RuntimeError(
-                "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with "
-                "LOCAL_STATE_DICT. Please set state_dict_type to SHARDED_STATE_DICT to get "
-                "DTensor state_dict."
-            )
-        return None
+def _loaded(value: Tensor, state: FSDPState, index: int) -> Tensor:
+    """A sharded value gathered for the unit's parameter ``index`` (see [Note: The
+    three state-dict types] and [Note: Tensor-parallel parameters])."""
+    extension = _extension(state)
+    if extension is None:
+        return full_tensor(value, state.compute_device)
+    handle = state.handle
+    assert handle is not None
+    param_extension = handle._param_extensions[index]
+    shape = handle.layout.shapes[index]
+    local = extension.gather(value, shape, param_extension, state.compute_device)
+    return DTensorExtensions.unflatten(local, param_extension)
 
+
+class _LocalStateDict(_Kind):
     def post_save(
         self,
         state: FSDPState,
@@ -533,6 +515,7 @@ class StateDictHooks:
 
     def _begin(self, module: nn.Module) -> _Kind:
         ensure_initialized(module)
+        _use_dtensor_with_mesh(self.state)
         self._settings = _Settings.of(self.state)
         return _KINDS[self._settings.kind]
 

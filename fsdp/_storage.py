@@ -32,6 +32,7 @@ import enum
 import torch
 from torch import Tensor
 
+from fsdp._dtensor_extensions import local_of
 from fsdp._layout import ShardLayout, ShardParamInfo
 
 
@@ -88,6 +89,8 @@ def storage_freed(tensor: Tensor) -> bool:
 
 
 def same_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` share memory (a DTensor's: its local tensor's)."""
+    a, b = local_of(a), local_of(b)
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 

@@ -104,7 +104,8 @@ class LocalStateDictConfig(StateDictConfig):
 @dataclass(frozen=True)
 class ShardedStateDictConfig(StateDictConfig):
     """``_use_dtensor`` is torch's private switch between ``DTensor`` and
-    ``ShardedTensor`` values; this implementation always saves ``DTensor`` s."""
+    ``ShardedTensor`` values; FSDP sets it when the unit has a device mesh (see
+    [Note: _use_dtensor follows the device mesh] in fsdp._state_dict)."""
 
     _use_dtensor: bool = False
 

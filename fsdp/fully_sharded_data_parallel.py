@@ -23,7 +23,7 @@ from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
 from fsdp._runtime import CommHook, FSDPState, UnshardHandle
-from fsdp._state_dict import StateDictHooks
+from fsdp._state_dict import StateDictHooks, optim_settings_with_mesh
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
 from fsdp.api import (
@@ -105,8 +105,7 @@ class FullyShardedDataParallel(nn.Module):
                 module, auto_wrap_policy, ignored.modules, ignored.params, child_kwargs, FSDP
             )
         self._fsdp_wrapped_module = module
-        self._state = build_unit(self, module, args, ignored, groups)
-        self._state.device_mesh = device_mesh
+        self._state = build_unit(self, module, args, ignored, groups, device_mesh)
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -335,7 +334,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"Expected optim_state_dict_config of type {optim_config_type} "
                 f"but got {type(optim_config)}"
             )
-        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        previous = _shared_settings(states_in(module, recurse=True))
         settings = StateDictSettings(state_dict_type, config, optim_config)
         for state in states_in(module, recurse=True):
             state.state_dict_settings = settings
@@ -343,18 +342,10 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The settings of the units under ``module`` (all units share them)."""
+        """The settings of the units under ``module`` (all units share them); see
+        [Note: _use_dtensor follows the device mesh] for units with a mesh."""
         states = states_in(module, recurse=True)
-        if not states:
-            raise ValueError("No FSDP modules found in the given module")
-        settings = states[0].state_dict_settings
-        for state in states[1:]:
-            if state.state_dict_settings != settings:
-                raise AssertionError(
-                    "All FSDP modules must have the same state dict settings."
-                    f"Got {state.state_dict_settings} and {settings}."
-                )
-        return settings
+        return optim_settings_with_mesh(states, _shared_settings(states))
 
     @staticmethod
     @contextlib.contextmanager
@@ -611,3 +602,17 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _shared_settings(states: list[FSDPState]) -> StateDictSettings:
+    """The state-dict settings every unit of ``states`` has."""
+    if not states:
+        raise ValueError("No FSDP modules found in the given module")
+    settings = states[0].state_dict_settings
+    for state in states[1:]:
+        if state.state_dict_settings != settings:
+            raise AssertionError(
+                "All FSDP modules must have the same state dict settings."
+                f"Got {state.state_dict_settings} and {settings}."
+            )
+    return settings

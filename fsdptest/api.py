@@ -20,8 +20,11 @@ with that message. ``fsdptest`` itself needs ``REQUIRED``: without them importin
 this module fails at once.
 
 The private names (``SEAMS``, ``FlatParamHandle``, ``HandleTrainingState``,
-``_get_training_state``, ...) are each implementation's internals: ours, or
-torch's under ``--fsdp-impl torch``. For another implementation the plain ones
+``_get_training_state``, the chunked sharded-tensor/DTensor helpers of
+``_shard_utils``, ``_get_param_to_fqns``, ...) are each implementation's
+internals: ours, or torch's under ``--fsdp-impl torch``. Torch's exec-order
+tracer (``_ExecOrderTracer``) has no counterpart in ours: a test using it skips
+with ``EXEC_ORDER_TRACER_MISSING`` as the reason. For another implementation the plain ones
 fall back (``clean_tensor_name`` strips torch's wrapper prefixes unless the module
 has its own, ``NO_RESHARD_AFTER_FORWARD_STRATEGIES`` is read off its
 ``ShardingStrategy``, the environment switches keep torch's names), and the rest
@@ -221,11 +224,51 @@ class Seams:
     post-backward; returns the handle to prefetch, or None."""
 
 
+class _Unavailable(type):
+    """A private name the implementation under test lacks: using it skips the test
+    (an ``AttributeError`` too, so ``hasattr`` answers False)."""
+
+    reason: str
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):  # Python's and tools' protocol probes
+            raise AttributeError(name)
+        raise UnavailablePart(cls.reason)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise UnavailablePart(cls.reason)
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        raise UnavailablePart(cls.reason)
+
+    def __iter__(cls) -> Any:
+        raise UnavailablePart(cls.reason)
+
+
+def _unavailable(name: str, reason: str | None = None) -> Any:
+    """A stand-in for the private part ``name``: using it skips the test with
+    ``reason`` (default: the implementation under test does not have it)."""
+    if reason is None:
+        reason = (
+            f"needs {name}, a private part of this project's and torch's FSDP that the FSDP "
+            f"under test ({IMPLEMENTATION.describe()}) does not have"
+        )
+    return _Unavailable(name, (), {"reason": reason})
+
+
+EXEC_ORDER_TRACER_MISSING = (
+    "needs _ExecOrderTracer (torch.distributed.fsdp._trace_utils), torch's recorder of the "
+    "module and parameter order of a torch.fx symbolic trace; no FSDP code path of torch's "
+    "uses it any more and this project's FSDP has no counterpart (it records the execution "
+    "order at run time: fsdp._exec_order)"
+)
+
 if IMPL == "torch":
     import torch.distributed.fsdp as _torch_fsdp
     from torch.distributed.fsdp._common_utils import (
         FSDP_PREFIX,
         _get_handle_fqns_from_root,
+        _get_param_to_fqns,
         clean_tensor_name,
     )
     from torch.distributed.fsdp._flat_param import (
@@ -247,6 +290,12 @@ if IMPL == "torch":
         HOMOGENEOUS_ATTR_NAMES,
         _get_training_state,
     )
+    from torch.distributed.fsdp._shard_utils import (
+        _all_gather_dtensor,
+        _create_chunk_dtensor,
+        _create_chunk_sharded_tensor,
+    )
+    from torch.distributed.fsdp._trace_utils import _ExecOrderTracer
     from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
     from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
     from torch.distributed.utils import _apply_to_tensors, _replace_by_prefix
@@ -311,11 +360,18 @@ elif IMPL == "local":
         HandleShardingStrategy,
     )
     from fsdp._init import _init_intra_and_inter_node_groups
+    from fsdp._optim_state_dict import _get_param_to_fqns
     from fsdp._runtime import HOMOGENEOUS_ATTR_NAMES
+    from fsdp._shard_utils import (
+        _all_gather_dtensor,
+        _create_chunk_dtensor,
+        _create_chunk_sharded_tensor,
+    )
     from fsdp._utils import _apply_to_tensors, _replace_by_prefix
     from fsdp.wrap import _validate_frozen_params
 
     FULLY_SHARD_MISSING = ""
+    _ExecOrderTracer = _unavailable("_ExecOrderTracer", EXEC_ORDER_TRACER_MISSING)
     SEAMS = Seams(
         register_pre_backward_hooks="fsdp._runtime.FSDPState._register_pre_backward_hooks",
         register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
@@ -339,33 +395,6 @@ elif IMPL == "local":
 
 
 else:
-
-    class _Unavailable(type):
-        """A private name the implementation under test lacks: using it skips the test
-        (an ``AttributeError`` too, so ``hasattr`` answers False)."""
-
-        reason: str
-
-        def __getattr__(cls, name: str) -> Any:
-            if name.startswith("__"):  # Python's and tools' protocol probes
-                raise AttributeError(name)
-            raise UnavailablePart(cls.reason)
-
-        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-            raise UnavailablePart(cls.reason)
-
-        def __instancecheck__(cls, obj: object) -> bool:
-            raise UnavailablePart(cls.reason)
-
-        def __iter__(cls) -> Any:
-            raise UnavailablePart(cls.reason)
-
-    def _unavailable(name: str) -> Any:
-        reason = (
-            f"needs {name}, a private part of this project's and torch's FSDP that the FSDP "
-            f"under test ({IMPLEMENTATION.describe()}) does not have"
-        )
-        return _Unavailable(name, (), {"reason": reason})
 
     def _without_wrapper_prefixes(tensor_name: str) -> str:
         """torch's ``clean_tensor_name``: the name without FSDP's and activation
@@ -412,6 +441,11 @@ else:
     _get_training_state = _unavailable("_get_training_state")
     _get_handle_fqns_from_root = _unavailable("_get_handle_fqns_from_root")
     _validate_frozen_params = _unavailable("_validate_frozen_params")
+    _get_param_to_fqns = _unavailable("_get_param_to_fqns")
+    _create_chunk_sharded_tensor = _unavailable("_create_chunk_sharded_tensor")
+    _create_chunk_dtensor = _unavailable("_create_chunk_dtensor")
+    _all_gather_dtensor = _unavailable("_all_gather_dtensor")
+    _ExecOrderTracer = _unavailable("_ExecOrderTracer")
 
 
 FSDP = FullyShardedDataParallel
@@ -441,7 +475,13 @@ def assert_torch_refuses_cpu_offload(
 
 
 __all__ = [
+    "EXEC_ORDER_TRACER_MISSING",
     "FLAT_PARAM",
+    "_ExecOrderTracer",
+    "_all_gather_dtensor",
+    "_create_chunk_dtensor",
+    "_create_chunk_sharded_tensor",
+    "_get_param_to_fqns",
     "FSDP_PREFIX",
     "HOMOGENEOUS_ATTR_NAMES",
     "HYBRID_SHARDING_STRATEGIES",

@@ -5,7 +5,7 @@ through the runner's hooks: it adds ``--fsdp-impl`` (a built-in name, a register
 entry point or a module path; see ``fsdptest.implementations``), resolves it once
 (an unknown name is a usage error listing the known ones), exports it to the
 ranks (``FSDP_HARNESS_IMPL``, read by ``fsdptest.api`` when first imported; the
-ranks inherit the environment), asks the ranks to restore the FSDP packages
+ranks inherit the environment), asks the ranks to restore the FSDP packages and ``models``
 after every test, and skips, before any rank starts, configurations torch's
 FSDP cannot run on CPU-only machines (except in tests marked
 ``torch_cpu_offload_asserted``, which assert that failure themselves:
@@ -173,8 +173,10 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_harness_isolated_modules(config: pytest.Config) -> list[str]:
+    """This layer, the FSDP under test and the test models (the models the
+    package installs: a test that patches one must not change the next test's)."""
     impl = config.stash[impl_key]
-    return ["fsdp", "fsdptest", *([] if impl.is_builtin else [impl.module])]
+    return ["fsdp", "fsdptest", "models", *([] if impl.is_builtin else [impl.module])]
 
 
 @pytest.hookimpl(trylast=True, optionalhook=True)

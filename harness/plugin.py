@@ -131,6 +131,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "requires_gpu(reason): skip unless the ranks run on CUDA",
         "requires_module(name, reason=None): skip unless `name` imports in this environment",
         "map_cuda_to_cpu: on CPU ranks, CUDA devices the test names resolve to the rank's device",
+        "min_world_size(n): the test needs n ranks: unless its class pins world_size, it runs "
+        "with max(--world-size, n)",
     ):
         config.addinivalue_line("markers", line)
     config.stash[filter_key] = options.check(config)
@@ -285,14 +287,17 @@ def is_distributed(item: pytest.Item) -> bool:
 
 
 def world_size_of(item: pytest.Item) -> int:
-    """The ranks ``item`` runs on: its class's ``world_size``, else the option.
-    A class's value below 1 fails the test (an error at setup) naming the class."""
+    """The ranks ``item`` runs on: its class's ``world_size``, else the option
+    raised to the ``min_world_size`` marker's count. A class's value below 1
+    fails the test (an error at setup) naming the class."""
     from harness.testcase import declared_world_size
 
     cls = item.cls  # type: ignore[attr-defined]
     pinned = declared_world_size(cls)
     if pinned is None:
-        return int(item.config.getoption("dist_world_size"))
+        size = int(item.config.getoption("dist_world_size"))
+        marker = item.get_closest_marker("min_world_size")
+        return size if marker is None else max(size, int(marker.args[0]))
     if pinned < 1:
         pytest.fail(
             f"{cls.__qualname__}.world_size is {pinned}: a distributed test needs at least "

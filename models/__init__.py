@@ -31,6 +31,7 @@ from models.small import (
     SkipModel,
     SkipModule,
 )
+from models.tensor_parallel import MLPModule, MLPStacked, RMSNormPython
 from models.transformer import TransformerWithSharedParams
 
 __all__ = [
@@ -46,7 +47,9 @@ __all__ = [
     "LoraMLP",
     "LoraModel",
     "MLP",
+    "MLPModule",
     "MLPStack",
+    "MLPStacked",
     "MixtureOfExperts",
     "ModuleWithDelay",
     "NestedLinear",
@@ -54,6 +57,7 @@ __all__ = [
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
     "NonUniformReqGradNWM",
+    "RMSNormPython",
     "SaveForwardInputsModel",
     "SaveForwardInputsModule",
     "SkipModel",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import sys
 import textwrap
+import unittest
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from upstream.common_fsdp import (
 from upstream.common_utils import instantiate_parametrized_tests, parametrize, subtest
 
 UPSTREAM_STYLE_FILE = Path(__file__).parent / "upstream_style" / "fsdp_apply_and_clip.py"
+UPSTREAM_DTENSOR_FILE = Path(__file__).parent / "upstream_style" / "fsdp_dtensor.py"
 ON_CPU = INNER_DEVICE == "cpu"
 
 
@@ -60,6 +62,63 @@ def test_upstream_style_file_passes_under_both_implementations(inner: Any, impl:
     ):
         assert name in run.text
     assert "24 subtests ran, 0 failed, 0 skipped" in run.text
+
+
+A_RANK_FAILS = textwrap.dedent(
+    """
+    class TestARankFails(DTensorTestBase):
+        @with_comms
+        @skip_if_lt_x_gpu(4)
+        def test_rank_one_fails(self):
+            mesh = init_device_mesh(self.device_type, (self.world_size,))
+            if self.rank == 1:
+                raise RuntimeError("rank 1 fails on purpose")
+            dist.all_reduce(torch.ones(1, device=self.device_type), group=mesh.get_group())
+
+
+    """
+)
+
+
+@pytest.mark.parametrize("impl", ["local", "torch"])
+def test_upstream_style_dtensor_file_runs_with_its_ranks_and_survives_a_failing_rank(
+    inner: Any, impl: str
+) -> None:
+    """tests/upstream_style/fsdp_dtensor.py (device meshes, DTensorTestBase,
+    with_comms, skip_if_lt_x_gpu(4), tensor parallelism; only the imports changed)
+    runs with 4 ranks at --world-size 2 and passes under both implementations,
+    meshes made in subtests included; a test in front of it whose rank 1 fails
+    while the others wait in a collective is reported with rank 1's error, and
+    the tests after it pass on a fresh pool."""
+    source = UPSTREAM_DTENSOR_FILE.read_text().replace(
+        "class TestDeviceMeshStateDict(", A_RANK_FAILS + "class TestDeviceMeshStateDict(", 1
+    )
+    run = inner(
+        source,
+        "-p",
+        "upstream.plugin",
+        "--fsdp-impl",
+        impl,
+        "--map-cuda-to-cpu",
+        "--world-size",
+        "2",
+        "-v",
+    )
+    run.result.assert_outcomes(passed=6, failed=1)
+    for name in (
+        "TestARankFails::test_rank_one_fails FAILED",
+        "TestDeviceMeshStateDictCUDA::test_sharded_values_are_dtensors_hybrid_False_cuda PASSED",
+        "TestDeviceMeshStateDictCUDA::test_sharded_values_are_dtensors_hybrid_True_cuda PASSED",
+        "TestDeviceMeshStateDictCUDA::test_state_dict_round_trip_cuda PASSED",
+        "TestDeviceMeshStateDictCUDA::test_meshes_made_in_subtests_cuda PASSED",
+        "TestDeviceMeshStateDictCUDA::test_create_chunk_dtensor_cuda PASSED",
+        "TestFSDPWithTensorParallel::test_fsdp_over_data_parallel_dim PASSED",
+    ):
+        assert name in run.text
+    report = run.section("test_rank_one_fails")
+    assert "rank 1" in report and "RuntimeError: rank 1 fails on purpose" in report
+    assert "world_size=4" in report
+    assert "3 subtests ran, 0 failed, 0 skipped" in run.text
 
 
 RUN_AS_SCRIPT = textwrap.dedent(
@@ -152,15 +211,94 @@ def test_cuda_mapping_resolves_device_arguments_and_restores_the_mode_stack() ->
             module.weight.new_zeros(3, device="cuda:0"),
         ]
         module.to(torch.device("cuda"))
+        by_index = nn.Linear(2, 3).to(1)  # Module.to(<int>): through _parse_to
+        by_index.to(0, torch.float64)
         torch.overrides.BaseTorchFunctionMode().__enter__()  # left pushed on purpose
     assert torch._C._len_torch_function_stack() == depth
-    devices = {t.device for t in [*tensors, module.weight, built.weight]}
+    devices = {t.device for t in [*tensors, module.weight, built.weight, by_index.weight]}
     assert devices == {cpu}
     assert tensors[3].dtype == torch.float16
+    assert by_index.weight.dtype == torch.float64
     with mapped(False, cpu):
         assert torch._C._len_torch_function_stack() == depth
     with mapped(True, torch.device("meta")):  # a rank that is not on the CPU: unmapped
         assert torch._C._len_torch_function_stack() == depth
+
+
+# -- what a test declares it needs, and what it may not leave behind ---------------------------
+
+DECLARED_RANKS = textwrap.dedent(
+    """
+    import pytest
+    from upstream.common_distributed import skip_if_lt_x_gpu
+    from upstream.common_fsdp import FSDPTest
+
+
+    class TestRanks(FSDPTest):
+        @skip_if_lt_x_gpu(4)
+        def test_needs_four(self):
+            assert self.world_size == 4
+
+        @skip_if_lt_x_gpu(1)
+        def test_needs_one(self):
+            assert self.world_size == 3  # --world-size, which is larger
+
+        @pytest.mark.min_world_size(5)
+        def test_marked(self):
+            assert self.world_size == 5
+
+
+    class TestPinned(FSDPTest):
+        world_size = 2
+
+        @skip_if_lt_x_gpu(4)
+        def test_pinned_size_wins(self):
+            assert self.world_size == 2
+
+
+    class TestProperty(FSDPTest):
+        @property
+        def world_size(self):
+            return 3
+
+        def test_property(self):
+            assert self.world_size == 3
+    """
+)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="GPU runs skip tests needing more GPUs than they see")
+def test_skip_if_lt_x_gpu_gives_the_test_its_ranks(inner: Any) -> None:
+    """``skip_if_lt_x_gpu(n)`` (the ``min_world_size(n)`` marker) runs a test of a class
+    that does not pin its world size with max(--world-size, n) ranks on CPU; a pinned
+    world size (an attribute or a property) is kept."""
+    run = inner(DECLARED_RANKS, "-p", "upstream.plugin", "--world-size", "3")
+    run.result.assert_outcomes(passed=5)
+
+
+MODELS_PATCHED = textwrap.dedent(
+    """
+    import models
+    from harness import DistributedTest
+
+
+    class TestModels(DistributedTest):
+        def test_patches_a_model(self):
+            models.MLP.forward = None
+            models.EXTRA = 1
+
+        def test_sees_the_original(self):
+            assert models.MLP.forward is not None
+            assert not hasattr(models, "EXTRA")
+    """
+)
+
+
+def test_models_are_restored_outside_this_repository(inner: Any) -> None:
+    """The FSDP layer's plugin asks the ranks to restore ``models`` after every test,
+    without this repository's ini (the inner session runs in a bare directory)."""
+    run = inner(MODELS_PATCHED, "-p", "upstream.plugin", "-p", "fsdptest.plugin")
+    run.result.assert_outcomes(passed=2)
 
 
 # -- upstream's names, without ranks -----------------------------------------------------------
@@ -283,3 +421,55 @@ def test_skip_if_lt_x_gpu_runs_on_cpu_and_keeps_the_signature() -> None:
     if not torch.cuda.is_available():
         assert body(None, "cpu") == "cpu"
     assert TEST_SKIPS["multi-gpu-2"].message == "Need at least 2 CUDA devices"
+
+
+# -- upstream's FSDP-adjacent private helpers in the facade -----------------------------------
+
+
+def test_facade_gives_ours_private_helpers_or_skips_naming_them() -> None:
+    """``fsdptest.api`` gives our FSDP's equivalents of torch's private helpers that
+    upstream files import (``_get_param_to_fqns`` as torch's), and a stand-in that
+    skips, naming it, where ours has none (the exec-order tracer)."""
+    import torch.distributed.fsdp._common_utils as torch_common
+
+    from fsdptest import api
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight = model[0].weight
+    for dedup in (True, False):
+        ours = {tuple(v) for v in api._get_param_to_fqns(model, dedup).values()}
+        torch_s = {tuple(v) for v in torch_common._get_param_to_fqns(model, dedup).values()}
+        assert ours == torch_s
+    if api.IMPL == "local":
+        with pytest.raises(unittest.SkipTest, match="_ExecOrderTracer"):
+            api._ExecOrderTracer()
+        assert api._create_chunk_dtensor.__module__ == "fsdp._shard_utils"
+
+
+def test_meshes_over_destroyed_groups_leave_torch_mesh_registries() -> None:
+    """Torch before 2.13 maps sliced meshes to their roots (and roots to flattened
+    meshes) in ``_mesh_resources``, keyed by meshes that compare by shape and ranks:
+    the entries over a test's destroyed groups go, the others stay."""
+    import torch.distributed.device_mesh as device_mesh
+
+    from harness._rank.isolation import forget_meshes_of
+
+    class FakeMesh:
+        def __init__(self, names: list[str]) -> None:
+            self._dim_group_names = names
+
+    resources = device_mesh._mesh_resources
+    child, root, kept = FakeMesh(["3"]), FakeMesh(["3", "4"]), FakeMesh(["0"])
+    resources.child_to_root_mapping = {child: root, kept: kept}  # type: ignore[attr-defined]
+    resources.root_to_flatten_mapping = {kept: {"dp_tp": child}}  # type: ignore[attr-defined]
+    stack_depth = len(resources.mesh_stack)
+    resources.mesh_stack.extend([root, kept])  # type: ignore[list-item]
+    try:
+        forget_meshes_of({"4"})
+        assert resources.child_to_root_mapping == {kept: kept}  # type: ignore[attr-defined]
+        assert resources.mesh_stack[stack_depth:] == [kept]
+        forget_meshes_of({"3"})
+        assert resources.root_to_flatten_mapping == {}  # type: ignore[attr-defined]
+    finally:
+        del resources.child_to_root_mapping, resources.root_to_flatten_mapping  # type: ignore[attr-defined]
+        del resources.mesh_stack[stack_depth:]

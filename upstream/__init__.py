@@ -6,6 +6,8 @@ against ``torch.testing._internal`` runs here after changing only its imports.
   helpers (``get_full_params``, ``_zero_model``, ``subtest_name``, ...).
 - ``upstream.common_distributed``: ``skip_if_lt_x_gpu``, ``TEST_SKIPS``,
   ``MultiProcessTestCase``, ``run_subtests``.
+- ``upstream.common_dtensor``: ``DTensorTestBase``, ``DTensorContinuousTestBase``,
+  ``with_comms``, ``skip_if_lt_x_gpu``, ``MLPModule``, ``RMSNormPython``.
 - ``upstream.common_device_type``: ``instantiate_device_type_tests``, ``get_devtype``.
 - ``upstream.common_utils``: ``parametrize``, ``subtest``,
   ``instantiate_parametrized_tests``, ``TestCase``, ``run_tests``, the ``TEST_*`` flags.

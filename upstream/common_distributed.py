@@ -3,10 +3,15 @@
 
 [Note: What skip_if_lt_x_gpu(n) means here]
 Upstream skips a test unless its machine has ``n`` accelerators, because it runs
-one rank per GPU. Here the decorator says the test needs ``n`` ranks. A CPU run
-always has them (ranks are processes, and ``--world-size`` sets how many), so
-the test runs; when the ranks run on CUDA each sees the GPUs of its pool, and
-the test is skipped with upstream's message when those are fewer than ``n``.
+one rank per GPU. Here the decorator says the test needs ``n`` ranks: it marks
+the test ``min_world_size(n)``, so a class that does not pin ``world_size`` runs
+it with ``max(--world-size, n)`` ranks (upstream's ``FSDPTest`` had one rank per
+GPU, at least ``n`` where the test ran); a class that pins one keeps it, as
+upstream's did. A CPU run always has the ranks (they are processes), so the test
+runs; when the ranks run on CUDA each sees the GPUs of its pool, and the test is
+skipped with upstream's message when those are fewer than ``n`` (under
+``--device auto`` a test needing more ranks than there are GPUs runs on CPU
+ranks).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -69,9 +75,9 @@ def gpu_shortfall(needed: int) -> str | None:
 
 
 def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Callable[[TestFn], TestFn]:
-    """Skips the test when its ranks run on fewer than ``x`` GPUs (see [Note: What
-    skip_if_lt_x_gpu(n) means here]); ``allow_cpu`` changes nothing, as CPU runs
-    always run the test."""
+    """The test needs ``x`` ranks, and is skipped when they run on fewer than
+    ``x`` GPUs (see [Note: What skip_if_lt_x_gpu(n) means here]); ``allow_cpu``
+    changes nothing, as CPU runs always run the test."""
 
     def decorator(func: TestFn) -> TestFn:
         @functools.wraps(func)
@@ -81,7 +87,8 @@ def skip_if_lt_x_gpu(x: int, *, allow_cpu: bool = False) -> Callable[[TestFn], T
                 raise unittest.SkipTest(reason)
             return func(*args, **kwargs)
 
-        return wrapper
+        marked: TestFn = pytest.mark.min_world_size(x)(wrapper)
+        return marked
 
     return decorator
 

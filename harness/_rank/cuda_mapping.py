@@ -8,9 +8,10 @@ torch). With the opt-in, a CPU rank runs the test's ``setUp``, body and
 ``tearDown`` under a torch function mode that rewrites every CUDA device a torch
 function receives to the rank's device: a ``device=`` keyword (factories,
 ``new_*``, ``*_like``, layers built with ``device=``), the device argument of
-``Tensor.to``, and ``Tensor.cuda`` itself; ``Module.cuda`` and ``Module.to`` reach
-those. A CUDA device is a ``torch.device`` or string of type ``cuda``, or an
-integer index (torch's spelling of the current accelerator's device).
+``Tensor.to`` and of ``Module.to``'s argument parser (``_parse_to``, through
+which ``Module.to(rank)`` passes), and ``Tensor.cuda`` itself; ``Module.cuda``
+reaches those. A CUDA device is a ``torch.device`` or string of type ``cuda``, or
+an integer index (torch's spelling of the current accelerator's device).
 
 A mode rather than patched attributes: the device reaches torch through
 hundreds of functions, and a mode is one object on a stack. ``mapped`` pops the
@@ -69,6 +70,8 @@ class CudaToRankDevice(TorchFunctionMode):
             kwargs["device"] = self.device
         if func is torch.Tensor.to and len(args) > 1 and names_cuda(args[1]):
             args = (args[0], self.device, *args[2:])
+        if func is torch._C._nn._parse_to and args and names_cuda(args[0]):
+            args = (self.device, *args[1:])
         return func(*args, **kwargs)
 
 

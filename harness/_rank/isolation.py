@@ -196,9 +196,12 @@ def _reset_dynamo() -> None:
 
 def _clear_dtensor_caches() -> None:
     """DTensor memoises sharding propagation and redistribution plans per device
-    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache);
-    a mesh holds its process groups, so without this a test whose DTensors used
-    a group it created would keep the group alive and be reported as leaking it."""
+    mesh (``functools`` caches in ``torch.distributed.tensor`` and a C++ cache).
+    A mesh holds its process groups, so without this a test whose DTensors used
+    a group it created would keep the group alive and be reported as leaking it;
+    and meshes of the same shape compare equal, so a cached plan would name a
+    destroyed group in the next test or subtest ("Could not resolve the process
+    group registered under the name N")."""
     if "torch.distributed.tensor" not in sys.modules:
         return
     for name, module in list(sys.modules.items()):
@@ -229,22 +232,57 @@ class GroupTracker:
     def destroy_since(self, before: set[int]) -> int:
         """Destroys the groups created since ``before``; returns how many."""
         default = _default_group()
-        count = 0
-        for pg in _live_groups():
-            if id(pg) not in before and pg is not default:
-                dist.destroy_process_group(pg)
-                self.destroyed.append(weakref.ref(pg))
-                count += 1
-        return count
+        doomed = [pg for pg in _live_groups() if id(pg) not in before and pg is not default]
+        forget_meshes_of({pg.group_name for pg in doomed})
+        for pg in doomed:
+            dist.destroy_process_group(pg)
+            self.destroyed.append(weakref.ref(pg))
+        return len(doomed)
 
     def release_since(self, before: set[int]) -> None:
         """After a subtest: its groups are destroyed and, once its objects are
         collected, their threads and sockets are gone. A subtest that created no
         group is not collected after (a full collection costs about 100 ms on a
         loaded machine, paid by every subtest otherwise); the test's own leak
-        check collects at its end."""
-        if self.destroy_since(before):
+        check collects at its end. DTensor's caches go in every case: they are
+        keyed by device meshes, which compare equal across subtests (by shape
+        and ranks, not by group), so the next subtest's mesh would be handed
+        plans naming the destroyed groups (see ``_clear_dtensor_caches``)."""
+        destroyed = self.destroy_since(before)
+        _clear_dtensor_caches()
+        if destroyed:
             gc.collect()
+
+
+def forget_meshes_of(group_names: set[str]) -> None:
+    """Drops the device meshes over ``group_names`` from ``_mesh_resources``.
+
+    Torch before 2.13 keeps meshes in dicts of ``_mesh_resources`` (a sliced mesh
+    to its root, a root to its flattened meshes, ...) and in its stack of active
+    meshes; meshes compare by shape and ranks, so a mesh the next test or subtest
+    slices would be mapped to one whose groups are destroyed."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    resources = getattr(module, "_mesh_resources", None)
+    if resources is None or not group_names:
+        return
+    for value in vars(resources).values():
+        if isinstance(value, dict):
+            for key in [
+                k for k, v in value.items() if _over(k, group_names) or _over(v, group_names)
+            ]:
+                del value[key]
+        elif isinstance(value, list):
+            value[:] = [mesh for mesh in value if not _over(mesh, group_names)]
+
+
+def _over(value: object, group_names: set[str]) -> bool:
+    """Whether ``value`` (a mesh, or a dict of meshes) is over one of ``group_names``."""
+    if isinstance(value, dict):
+        return any(_over(v, group_names) for v in value.values())
+    names = getattr(value, "_dim_group_names", None)  # torch 2.9 and later
+    if names is None:  # older: (tag, ranks, name) per dimension
+        names = [info[-1] for info in getattr(value, "_dim_group_infos", ())]
+    return any(name in group_names for name in names)
 
 
 def _live_groups() -> list[dist.ProcessGroup]:
