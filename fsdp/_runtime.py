@@ -238,7 +238,7 @@ class FSDPState:
     root_context: RootContext | None
     sync_gradients: bool
     state_dict_settings: StateDictSettings
-    registers_flat_param: bool
+    flat_param_owner: nn.Module | None  # the wrapped module (None: fully_shard registers none)
     device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
     comm_hook: CommHook | None  # see [Note: Communication hooks]
     comm_hook_state: object
@@ -271,7 +271,7 @@ class FSDPState:
         self.state_dict_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
-        self.registers_flat_param = True
+        self.flat_param_owner = None
         self.device_mesh = None
         self.comm_hook = None
         self.comm_hook_state = None
@@ -756,17 +756,19 @@ class FSDPState:
                 self.unshard(handle, prefetch=True)
         return handle.pending_unshard_event()
 
-    # -- the flat parameter as a registered parameter of the wrapper --------------------
+    # -- the flat parameter as a registered parameter of the wrapped module --------------
 
     def show_flat_param(self) -> None:
-        """``use_orig_params=False``: the flat parameter is the wrapper's parameter
-        (so optimizers, ``.to()`` and ``parameters()`` see it)."""
-        handle = self.handle
-        if handle is not None and not self.config.use_orig_params and self.registers_flat_param:
-            self.module._parameters[FLAT_PARAM] = handle.flat_param
+        """``use_orig_params=False``: the flat parameter is a parameter of the
+        wrapped module, named ``_fsdp_wrapped_module._flat_param`` from the
+        wrapper, as in torch (so optimizers, ``.to()`` and ``parameters()`` see it)."""
+        handle, owner = self.handle, self.flat_param_owner
+        if handle is not None and owner is not None and not self.config.use_orig_params:
+            owner._parameters[FLAT_PARAM] = handle.flat_param
 
     def hide_flat_param(self) -> None:
-        self.module._parameters.pop(FLAT_PARAM, None)
+        if self.flat_param_owner is not None:
+            self.flat_param_owner._parameters.pop(FLAT_PARAM, None)
 
     # -- helpers for other layers ------------------------------------------------------------
 

@@ -107,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._state = build_unit(self, module, args, ignored, groups)
         self._state.device_mesh = device_mesh
+        self._state.flat_param_owner = module
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
