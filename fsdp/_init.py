@@ -3,8 +3,11 @@
 [Note: What a unit manages]
 A unit manages the parameters and buffers of its module's subtree, except those
 of ignored modules (and their subtrees) and those under a module that already
-has FSDP applied (a nested unit manages them). Parameters are flattened in
-module order; buffers stay where they are and only change dtype and device.
+has FSDP applied (a nested unit manages them). Wrapping a unit again
+(``FSDP(FSDP(m))``, as torch allows) gives an outer unit that manages nothing:
+the inner one keeps everything, and the outer one is the root. Parameters are
+flattened in module order; buffers stay where they are and only change dtype
+and device.
 
 [Note: Devices]
 A unit's parameters are on one device; a module partly on the CPU needs
@@ -158,7 +161,7 @@ def managed_modules(root: nn.Module, ignored: Ignored) -> list[nn.Module]:
         if id(module) in seen or module in ignored.modules:
             continue
         seen.add(id(module))
-        if module is not root and _registry.has_fsdp(module):
+        if _registry.has_fsdp(module):
             continue
         result.append(module)
         stack.extend(reversed(list(module.children())))
