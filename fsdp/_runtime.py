@@ -263,7 +263,9 @@ class FSDPState:
         self.compute_device = compute_device
         self.handle = handle
         self.buffers = buffers
-        self.orig_buffer_dtypes = {}
+        # The dtypes at construction (torch's), kept across lazy initialisations
+        # (``apply`` before the first forward initialises and resets the tree).
+        self.orig_buffer_dtypes = _buffer_dtypes(buffers)
         self.training_state = TrainingState.IDLE
         self.is_root = None
         self.root_context = None
@@ -334,10 +336,6 @@ class FSDPState:
             self._check_flat_param_device(handle)
             handle.lazy_init()
             handle.find_optimizers_in_backward()
-        for module, name in self.buffers:
-            buffer = module._buffers[name]
-            if buffer is not None:
-                self.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
         self._cast_buffers(full_precision=False)
 
     def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
@@ -779,6 +777,15 @@ class FSDPState:
             raise ValueError(
                 f"expected to be in states {states} but current state is {self.training_state}"
             )
+
+
+def _buffer_dtypes(buffers: list[tuple[nn.Module, str]]) -> dict[tuple[int, str], torch.dtype]:
+    dtypes = {}
+    for module, name in buffers:
+        buffer = module._buffers[name]
+        if buffer is not None:
+            dtypes[(id(module), name)] = buffer.dtype
+    return dtypes
 
 
 def _check_homogeneous(states: list[FSDPState]) -> None:

@@ -52,7 +52,8 @@ module saves them (not copied).
 As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
 the CPU; a unit with buffer mixed precision saves every buffer of its subtree
 that some unit manages (ignored ones excepted) as a copy in its original dtype
-(buffers live in ``buffer_dtype`` from lazy initialisation on). Otherwise the
+(its dtype when the unit was built; buffers live in ``buffer_dtype`` from lazy
+initialisation on). Otherwise the
 entries are the module's own tensors. Names come from ``named_buffers()``: the
 second name of a module registered twice is left as the module saves it.
 
