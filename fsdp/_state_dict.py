@@ -132,6 +132,7 @@ class _UnitKeys:
     Buffers in full and sharded state dicts])."""
 
     params: list[str]
+    param_names: list[tuple[str, str]]  # each parameter's module name and name
     buffers: list[str]
     buffer_dtypes: dict[str, torch.dtype]  # managed buffers: their original dtype
 
@@ -139,6 +140,7 @@ class _UnitKeys:
         handle = state.handle
         infos = [] if handle is None else [*handle.param_infos(), *handle.shared_param_infos()]
         self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        self.param_names = [(i.module_name, i.param_name) for i in infos]
         orig_dtypes: dict[tuple[int, str], torch.dtype] = {}
         for unit in state.subtree_states():
             orig_dtypes.update(unit.orig_buffer_dtypes)
@@ -198,11 +200,18 @@ def _drop_unit_entries(keys: _UnitKeys, state_dict: dict[str, Any], prefix: str)
         state_dict.pop(key, None)
 
 
-def _check_saved(key: str, state_dict: dict[str, Any], state: FSDPState) -> None:
+def _check_saved(
+    key: str, info: tuple[str, str], prefix: str, state_dict: dict[str, Any], state: FSDPState
+) -> None:
+    """Torch's check and message (``info``: the parameter's module and name), e.g.
+    for a rank that a ``summon_full_params(rank0_only=True)`` leaves sharded."""
     if key not in state_dict:
+        module_name, param_name = info
+        module_name = clean_tensor_name(f"{module_name}.") if module_name else ""
         raise AssertionError(
             f"FSDP assumes {key} is in the state_dict but the state_dict only has "
-            f"{state_dict.keys()}. rank={state.rank}."
+            f"{state_dict.keys()}. prefix={prefix}, module_name={module_name}, "
+            f"param_name={param_name} rank={state.rank}."
         )
 
 
@@ -412,10 +421,10 @@ class _FullStateDict(_Kind):
             if settings.rank0_only and state.rank != 0:
                 _drop_unit_entries(keys, state_dict, prefix)
                 return
-            state_dict.pop(prefix + FLAT_PARAM, None)
-            for key in keys.params:
-                _check_saved(key, state_dict, state)
+            for key, info in zip(keys.params, keys.param_names):
+                _check_saved(key, info, prefix, state_dict, state)
                 state_dict[key] = self.save_param(state_dict[key], state, settings.config)
+            state_dict.pop(prefix + FLAT_PARAM, None)
         finally:
             unit.exit(writeback=False)
         _save_buffers(state, keys, state_dict, settings.config.offload_to_cpu)

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from fsdp import _registry
-from fsdp._common import TrainingState
+from fsdp._common import HandleTrainingState, TrainingState
 from fsdp._runtime import FSDPState
 
 
@@ -124,13 +124,16 @@ def summon_full_params(
 
 class SummonedUnit:
     """One unit while its full parameters are exposed (summon_full_params, state
-    dicts, ``apply``); see [Note: Summoning]."""
+    dicts, ``apply``); see [Note: Summoning]. A unit that an enclosing
+    ``summon_full_params`` already exposes is left as it is (a state dict saved
+    or loaded inside the summon reads or writes what the summon exposes)."""
 
     state: FSDPState
     rank0_only: bool
     offload_to_cpu: bool
     with_grads: bool
     _free_on_exit: bool
+    _enclosed: bool  # an enclosing summon exposes the unit: enter and exit do nothing
 
     def __init__(
         self,
@@ -144,6 +147,7 @@ class SummonedUnit:
         self.offload_to_cpu = offload_to_cpu
         self.with_grads = with_grads
         self._free_on_exit = True
+        self._enclosed = False
 
     @property
     def _hidden_here(self) -> bool:
@@ -152,8 +156,15 @@ class SummonedUnit:
 
     def enter(self) -> None:
         state = self.state
-        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+        if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            self._enclosed = True
+            return
         handle = state.handle
+        if handle is not None and handle.training_state is not HandleTrainingState.IDLE:
+            raise AssertionError(
+                f"Expects the handle training to be IDLE but got {handle.training_state}"
+            )
+        state.training_state = TrainingState.SUMMON_FULL_PARAMS
         if handle is None:
             return
         handle.begin_summon()
@@ -179,6 +190,8 @@ class SummonedUnit:
         handle._use_unsharded_views(as_params=True)
 
     def exit(self, writeback: bool) -> None:
+        if self._enclosed:
+            return
         state = self.state
         handle = state.handle
         try:
