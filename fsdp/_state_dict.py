@@ -402,7 +402,7 @@ class _FullStateDict(_Kind):
 
     def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
         unit = self.summoned(state, settings)
-        validate_unshard([state], False, unit.rank0_only, unit.offload_to_cpu, False)
+        validate_unshard(state, False, unit.rank0_only, unit.offload_to_cpu, False)
         unit.enter()
         return unit
 
