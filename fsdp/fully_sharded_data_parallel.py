@@ -323,7 +323,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Sets the state-dict type and configs of every unit under ``module``
-        (which need not be a unit itself); returns the previous settings."""
+        (which need not be a unit itself); returns the previous settings (see
+        ``_previous_settings``)."""
         config_type, optim_config_type = STATE_DICT_CONFIGS[state_dict_type]
         config = state_dict_config or config_type()
         optim_config = optim_state_dict_config or optim_config_type()
@@ -336,18 +337,20 @@ class FullyShardedDataParallel(nn.Module):
                 f"Expected optim_state_dict_config of type {optim_config_type} "
                 f"but got {type(optim_config)}"
             )
-        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        states = states_in(module, recurse=True)
+        previous = _previous_settings(states)
         settings = StateDictSettings(state_dict_type, config, optim_config)
-        for state in states_in(module, recurse=True):
+        for state in states:
             state.state_dict_settings = settings
         return previous
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The settings of the units under ``module`` (all units share them)."""
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+        """The settings of the units under ``module`` (all units share them;
+        None when there is no unit, as in torch)."""
         states = states_in(module, recurse=True)
         if not states:
-            raise ValueError("No FSDP modules found in the given module")
+            return None
         settings = states[0].state_dict_settings
         for state in states[1:]:
             if state.state_dict_settings != settings:
@@ -609,6 +612,26 @@ class FullyShardedDataParallel(nn.Module):
         self._assert_state(TrainingState.IDLE)
         states = states_in(self, recurse=True)
         return clip_grad_norm(self, self._state, states, float(max_norm), float(norm_type))
+
+
+def _previous_settings(states: list[FSDPState]) -> StateDictSettings:
+    """The first unit's settings, once every unit is checked to have the same
+    type and the same kinds of configs (torch's checks and messages; the config
+    values may differ). All None without units."""
+    if not states:
+        return StateDictSettings(None, None, None)
+    first = states[0].state_dict_settings
+    for state in states[1:]:
+        settings = state.state_dict_settings
+        if settings.state_dict_type != first.state_dict_type:
+            raise AssertionError("All FSDP modules should have the same state_dict_type.")
+        if not isinstance(settings.state_dict_config, type(first.state_dict_config)):
+            raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
+        if not isinstance(settings.optim_state_dict_config, type(first.optim_state_dict_config)):
+            raise AssertionError(
+                "All FSDP modules must have the same type of optim_state_dict_config."
+            )
+    return first
 
 
 FSDP = FullyShardedDataParallel
