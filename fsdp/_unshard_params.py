@@ -71,8 +71,8 @@ def validate_unshard(
 ) -> None:
     """Torch's checks of the unshard arguments for one unit, in its order and
     with its messages (``summon_full_params`` and the full and sharded state
-    dicts, which unshard the same way). The warning about ``offload_to_cpu``
-    comes once per unit, its text as torch's."""
+    dicts, which unshard the same way); the warning about ``offload_to_cpu``
+    has torch's text."""
     if with_grads and (offload_to_cpu or not state.config.use_orig_params):
         raise NotImplementedError(
             f"with_grads={with_grads}, use_orig_params={state.config.use_orig_params}, "
@@ -116,8 +116,11 @@ def summon_full_params(
     entered: list[SummonedUnit] = []
     try:
         for state in states_in(module, recurse):
+            # Torch checks the arguments before and after the unit's own checks
+            # (the summon's, then the unshard's), so its warning comes twice.
             validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
             check_can_summon(state)
+            validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
             unit = SummonedUnit(state, rank0_only, offload_to_cpu, with_grads)
             entered.append(unit)
             unit.enter()
