@@ -248,3 +248,25 @@ class TestTorchConformance(FSDPTest):
             FSDP.set_state_dict_type(module, StateDictType.SHARDED_STATE_DICT),
             StateDictSettings(None, None, None),
         )
+
+    # -- clip_grad_norm_ ---------------------------------------------------------------------
+
+    def test_clip_grad_norm_without_sharded_units(self) -> None:
+        """When no unit shards (here: every module ignored, so no unit has
+        parameters), ``clip_grad_norm_`` is ``nn.utils.clip_grad_norm_``: the
+        local norm, and no warning when there are no gradients."""
+        torch.manual_seed(0)
+        module = _TwoLinears().to(self.device)
+        model = FSDP(module, ignored_modules=[module.a, module.b])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            norm = model.clip_grad_norm_(1.0)
+        self.assertEqual(
+            [str(w.message) for w in caught if "clip_grad_norm_" in str(w.message)], []
+        )
+        self.assertEqual(norm, torch.tensor(0.0))
+        torch.manual_seed(self.rank)
+        model(torch.randn(2, 3, device=self.device)).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        self.assertEqual(model.clip_grad_norm_(1.0), expected)
