@@ -238,7 +238,7 @@ class FSDPState:
     root_context: RootContext | None
     sync_gradients: bool
     state_dict_settings: StateDictSettings
-    flat_param_owner: nn.Module | None  # the wrapped module (None: fully_shard registers none)
+    flat_param_owner: nn.Module | None  # the wrapper's ``module`` (None: fully_shard)
     device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
     comm_hook: CommHook | None  # see [Note: Communication hooks]
     comm_hook_state: object
@@ -758,8 +758,9 @@ class FSDPState:
 
     def show_flat_param(self) -> None:
         """``use_orig_params=False``: the flat parameter is a parameter of the
-        wrapped module, named ``_fsdp_wrapped_module._flat_param`` from the
-        wrapper, as in torch (so optimizers, ``.to()`` and ``parameters()`` see it)."""
+        wrapped module (the wrapper's ``module``), named
+        ``_fsdp_wrapped_module._flat_param`` from the wrapper, as in torch (so
+        optimizers, ``.to()`` and ``parameters()`` see it)."""
         handle, owner = self.handle, self.flat_param_owner
         if handle is not None and owner is not None and not self.config.use_orig_params:
             owner._parameters[FLAT_PARAM] = handle.flat_param

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
@@ -107,7 +108,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._state = build_unit(self, module, args, ignored, groups)
         self._state.device_mesh = device_mesh
-        self._state.flat_param_owner = module
+        self._state.flat_param_owner = self.module
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -115,8 +116,12 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module; inside an activation-checkpointing wrapper, the
+        module that wrapper wraps (as in torch)."""
+        wrapped = self._fsdp_wrapped_module
+        if isinstance(wrapped, ActivationWrapper):
+            return wrapped._checkpoint_wrapped_module
+        return wrapped
 
     @property
     def _flat_param(self) -> FlatParameter | None:
@@ -200,6 +205,10 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def _state_dict_config(self) -> StateDictConfig:
         return self._state.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig | None:
+        return self._state.state_dict_settings.optim_state_dict_config
 
     @property
     def training_state(self) -> TrainingState:

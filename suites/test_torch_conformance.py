@@ -13,6 +13,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
@@ -84,6 +85,19 @@ class TestTorchConformance(FSDPTest):
         out.sum().backward()
         self.assertIsNotNone(next(model.parameters()).grad)
         self.assertEqual([m.check_is_root() for m in FSDP.fsdp_modules(model)], [True, False])
+        self.assertEqual(model.state_dict(), _plain_state_dict(self.device))
+
+    def test_module_inside_an_activation_checkpointing_wrapper(self) -> None:
+        """``FSDP(checkpoint_wrapper(m)).module`` is ``m``, and the flat parameter
+        is registered on ``m``; the state dict is the unwrapped module's."""
+        torch.manual_seed(0)
+        inner = _TwoLinears().to(self.device)
+        model = FSDP(checkpoint_wrapper(inner))
+        self.assertIs(model.module, inner)
+        self.assertEqual(
+            [name for name, _ in model.named_parameters()],
+            ["_fsdp_wrapped_module._checkpoint_wrapped_module._flat_param"],
+        )
         self.assertEqual(model.state_dict(), _plain_state_dict(self.device))
 
     # -- state dicts -------------------------------------------------------------------------
