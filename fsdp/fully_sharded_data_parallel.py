@@ -304,12 +304,19 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """The FSDP wrappers in ``module`` (itself included), outermost first."""
+        """The FSDP wrappers in ``module`` (itself included), outermost first.
+        ``root_only``: those that are roots, each initialised lazily first (as in
+        torch, a wrapper initialised before its enclosing unit is a root until
+        that unit runs; one below an initialised root is not)."""
         wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
             return wrappers
-        inner = {id(m) for w in wrappers for m in w.modules() if m is not w}
-        return [w for w in wrappers if id(w) not in inner]
+        roots = []
+        for wrapper in wrappers:
+            wrapper._state.lazy_init()
+            if wrapper._state.is_root:
+                roots.append(wrapper)
+        return roots
 
     @staticmethod
     def summon_full_params(

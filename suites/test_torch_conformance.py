@@ -100,6 +100,19 @@ class TestTorchConformance(FSDPTest):
         )
         self.assertEqual(model.state_dict(), _plain_state_dict(self.device))
 
+    def test_fsdp_modules_root_only_answers_by_lazy_initialisation(self) -> None:
+        """``fsdp_modules(m, root_only=True)`` initialises the units it finds
+        and returns the roots: below an initialised root there are none, and a
+        unit found first (here outside its enclosing unit) becomes a root."""
+        model = _nested(self.device)
+        model(torch.ones(2, 3, device=self.device))
+        self.assertEqual(FSDP.fsdp_modules(model.a, root_only=True), [])
+        self.assertEqual(FSDP.fsdp_modules(model.module, root_only=True), [])
+        self.assertEqual(FSDP.fsdp_modules(model, root_only=True), [model])
+        fresh = _nested(self.device)
+        self.assertEqual(FSDP.fsdp_modules(fresh.module, root_only=True), [fresh.module.a])
+        self.assertTrue(fresh.module.a._is_root)
+
     # -- state dicts -------------------------------------------------------------------------
 
     def test_state_dict_inside_summon_full_params(self) -> None:
