@@ -60,9 +60,9 @@ second name of a module registered twice is left as the module saves it.
 [Note: NO_SHARD units save full state dicts]
 As in torch, a ``NO_SHARD`` unit (also a sharded strategy at world size 1,
 which becomes ``NO_SHARD``) saves and loads ``FULL_STATE_DICT`` with the
-default config, whatever type and config are set, and warns that it does so on
-every save and load: there is nothing to shard, and ``rank0_only`` /
-``offload_to_cpu`` do not apply.
+default config, whatever type and config are set, and warns that it does so in
+each of its four hooks (twice per save and twice per load, with torch's texts):
+there is nothing to shard, and ``rank0_only`` / ``offload_to_cpu`` do not apply.
 """
 
 from __future__ import annotations
@@ -98,8 +98,12 @@ from fsdp.api import (
     StateDictType,
 )
 
-_NO_SHARD_WARNING = (
+# Torch's texts, word for word (its load hooks lose a space).
+_NO_SHARD_SAVE_WARNING = (
     "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+)
+_NO_SHARD_LOAD_WARNING = (
+    "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict willbe returned."
 )
 
 
@@ -114,12 +118,19 @@ class _Settings(NamedTuple):
     def of(cls, state: FSDPState) -> _Settings:
         if state.config.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return cls(state.state_dict_type, state.state_dict_config)
-        warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
         return cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
 
     @property
     def rank0_only(self) -> bool:
         return isinstance(self.config, FullStateDictConfig) and self.config.rank0_only
+
+
+def _warn_if_no_shard(state: FSDPState, loading: bool) -> None:
+    """Each of a ``NO_SHARD`` unit's four hooks warns (see [Note: NO_SHARD units
+    save full state dicts])."""
+    if state.config.sharding_strategy is ShardingStrategy.NO_SHARD:
+        text = _NO_SHARD_LOAD_WARNING if loading else _NO_SHARD_SAVE_WARNING
+        warnings.warn(text, stacklevel=5)
 
 
 def _key(prefix: str, module_name: str, name: str) -> str:
@@ -541,12 +552,14 @@ class StateDictHooks:
         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.pre_load, self))
         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.post_load, self))
 
-    def _begin(self, module: nn.Module) -> _Kind:
+    def _begin(self, module: nn.Module, loading: bool) -> _Kind:
+        _warn_if_no_shard(self.state, loading)
         ensure_initialized(module)
         self._settings = _Settings.of(self.state)
         return _KINDS[self._settings.kind]
 
-    def _end(self) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+    def _end(self, loading: bool) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+        _warn_if_no_shard(self.state, loading)
         settings, unit = self._settings, self._unit
         assert settings is not None, "state-dict post-hook without its pre-hook"
         self._settings, self._unit = None, None
@@ -554,7 +567,7 @@ class StateDictHooks:
 
     @torch.no_grad()
     def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        kind = self._begin(module)
+        kind = self._begin(module, loading=False)
         assert self._settings is not None
         self._unit = kind.pre_save(self.state, self._settings)
 
@@ -562,7 +575,7 @@ class StateDictHooks:
     def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        kind, settings, unit = self._end()
+        kind, settings, unit = self._end(loading=False)
         kind.post_save(self.state, unit, settings, state_dict, prefix)
 
     @torch.no_grad()
@@ -577,12 +590,12 @@ class StateDictHooks:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        kind = self._begin(module)
+        kind = self._begin(module, loading=True)
         self._load_prefix = prefix
         self._unit = kind.pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        kind, _, unit = self._end()
+        kind, _, unit = self._end(loading=True)
         kind.post_load(unit)
         # A local state dict's flat shard was loaded (and removed) by the pre-hook.
         loaded = clean_tensor_name(self._load_prefix + FLAT_PARAM)
