@@ -42,6 +42,13 @@ keeps its name and its replicate group, and its replicas still sum gradients
 (torch's FSDP switches it to ``NO_SHARD`` and drops the replicate group there,
 so its replicas drift apart). ``sync_module_states`` broadcasts from the first
 rank of the replicate group, then from the first rank of the shard group.
+
+[Note: Deprecation notices]
+As torch's, ``NO_SHARD`` on more than one rank gives torch's ``FutureWarning``
+(its advice, ``DistributedDataParallel``, holds here too). Torch's notice that
+``state_dict_type`` / ``set_state_dict_type`` are deprecated is not given: the
+replacement it names (``torch.distributed.checkpoint.state_dict``) does not
+know this implementation's units.
 """
 
 from __future__ import annotations
@@ -142,6 +149,13 @@ def resolve_strategy(strategy: ShardingStrategy | None, shard_group_size: int) -
             stacklevel=4,
         )
         return ShardingStrategy.NO_SHARD
+    if strategy is ShardingStrategy.NO_SHARD and shard_group_size > 1:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
     return strategy
 
 

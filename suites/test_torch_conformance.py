@@ -21,6 +21,7 @@ from fsdptest.api import (
     FullStateDictConfig,
     MixedPrecision,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictSettings,
     StateDictType,
 )
@@ -174,6 +175,35 @@ class TestTorchConformance(FSDPTest):
                             model.state_dict()
 
         self.run_subtests({"rank0_only_config": [False, True]}, body)
+
+    def test_no_shard_warnings(self) -> None:
+        """``NO_SHARD`` is deprecated (a ``FutureWarning`` per unit built), and
+        each of a ``NO_SHARD`` unit's four state-dict hooks warns that a full
+        state dict is used, with torch's texts (the load hooks' lose a space)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = _nested(self.device, sharding_strategy=ShardingStrategy.NO_SHARD)
+        deprecated = [w for w in caught if issubclass(w.category, FutureWarning)]
+        self.assertEqual(
+            [str(w.message) for w in deprecated],
+            [
+                "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+                "`DistributedDataParallel` instead."
+            ]
+            * 2,
+        )
+        prefix = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
+        for loading, text in ((False, prefix + " be returned."), (True, prefix + "be returned.")):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                    state_dict = model.state_dict()
+                    if loading:
+                        caught.clear()
+                        model.load_state_dict(state_dict)
+            texts = [str(w.message) for w in caught if "NO_SHARD" in str(w.message)]
+            self.assertEqual(texts, [text] * 4)
+            self.assertEqual(state_dict, _plain_state_dict(self.device))
 
     def test_apply_before_forward_keeps_original_buffer_dtypes(self) -> None:
         """``apply`` before the first forward does not make buffer mixed precision
