@@ -73,6 +73,33 @@ class TestTorchConformance(FSDPTest):
         self.assertIs(model.module._flat_param, dict(model.named_parameters())[names[0]])
         self.assertEqual(len(list(model.module.a.module.parameters(recurse=False))), 1)
 
+    def test_original_attributes_require_grad_as_the_flat_parameter(self) -> None:
+        """With ``use_orig_params=False`` the original parameter attributes
+        (``module.a.weight``) say ``requires_grad`` as the flat parameter does,
+        between and during iterations, for every strategy."""
+
+        def body(strategy: ShardingStrategy, frozen: bool) -> None:
+            torch.manual_seed(0)
+            module = _TwoLinears().to(self.device)
+            module.requires_grad_(not frozen)
+            model = FSDP(module, sharding_strategy=strategy)
+
+            def flags() -> list[bool]:
+                attributes = [
+                    getattr(m, n) for m in (module.a, module.b) for n in ("weight", "bias")
+                ]
+                return [a.requires_grad for a in attributes]
+
+            self.assertEqual(flags(), [not frozen] * 4)
+            out = model(torch.ones(2, 3, device=self.device))
+            self.assertEqual(flags(), [not frozen] * 4)
+            if not frozen:
+                out.sum().backward()
+            self.assertEqual(flags(), [not frozen] * 4)
+
+        strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD]
+        self.run_subtests({"strategy": strategies, "frozen": [False, True]}, body)
+
     def test_wrapping_a_unit_again(self) -> None:
         """``FSDP(FSDP(m))`` is allowed: the inner unit keeps the parameters, the
         outer one is the root, and the state dict is the unwrapped module's."""
