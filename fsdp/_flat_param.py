@@ -273,10 +273,16 @@ class FlatParamHandle:
         return self._reduce_dtype
 
     def grad_dtype(self) -> torch.dtype:
-        """The dtype gradients have when the optimizer sees them."""
-        if self._keep_low_precision_grads and self.storage.param_dtype is not None:
-            return self.storage.param_dtype
-        return self.storage.orig_dtype
+        """The dtype gradients have when the optimizer sees them: the parameter's
+        own, except with ``keep_low_precision_grads``, where sharded strategies
+        keep ``param_dtype`` and ``NO_SHARD`` the reduce dtype (torch's: its
+        all-reduce runs in place on the gradient cast to the reduce dtype, which
+        is then not cast back)."""
+        if not self._keep_low_precision_grads:
+            return self.storage.orig_dtype
+        if not self.uses_sharded_strategy:
+            return self.reduce_dtype()
+        return self.storage.param_dtype or self.storage.orig_dtype
 
     # -- construction, moves and lazy initialisation ------------------------------------------
 

@@ -254,6 +254,27 @@ class TestTorchConformance(FSDPTest):
             {"buf": torch.float16, "f64": torch.float16, "i64": torch.int64, "flag": torch.bool},
         )
 
+    def test_low_precision_gradient_dtypes(self) -> None:
+        """``keep_low_precision_grads``: sharded strategies keep the gradient in
+        ``param_dtype``, ``NO_SHARD`` in the reduce dtype."""
+
+        def body(strategy: ShardingStrategy) -> None:
+            torch.manual_seed(0)
+            mixed = MixedPrecision(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float16,
+                keep_low_precision_grads=True,
+            )
+            module = _TwoLinears().to(self.device)
+            model = FSDP(module, sharding_strategy=strategy, mixed_precision=mixed)
+            model(torch.ones(2, 3, device=self.device)).float().sum().backward()
+            no_shard = strategy is ShardingStrategy.NO_SHARD
+            expected = torch.float16 if no_shard else torch.bfloat16
+            self.assertEqual([p.grad.dtype for p in model.parameters()], [expected])
+
+        strategies = [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD]
+        self.run_subtests({"strategy": strategies}, body)
+
     # -- summon_full_params -----------------------------------------------------------------
 
     def test_summoning_a_summoned_unit_raises(self) -> None:
