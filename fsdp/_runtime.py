@@ -682,7 +682,10 @@ class FSDPState:
         if not handle.uses_sharded_strategy:
             handle.use_unsharded_grad(None if sharded is None else sharded.to(handle.device))
             return
-        missing = torch.tensor([float(sharded is None)], device=self.compute_device)
+        # An int32 count, as torch's (the collective traces agree).
+        missing = torch.tensor(
+            [int(sharded is None)], dtype=torch.int32, device=self.compute_device
+        )
         _comm.all_reduce(missing, self.process_group)
         if int(missing.item()) == self.world_size:
             handle.use_unsharded_grad(None)

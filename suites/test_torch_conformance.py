@@ -26,6 +26,7 @@ from fsdptest.api import (
     StateDictType,
 )
 from fsdptest.limitations import TORCH_OFFLOAD_TO_CPU_ERROR, torch_on_cpu
+from harness.collectives import Collective, CollectiveRecorder
 
 
 class _TwoLinears(nn.Module):
@@ -295,6 +296,17 @@ class TestTorchConformance(FSDPTest):
             self.assertEqual(names, ["a.weight", "a.bias", "b.weight", "b.bias"])
 
         self.run_subtests({"inner_on_child": [True, False]}, body)
+
+    def test_summon_with_grads_counts_missing_gradients_in_int32(self) -> None:
+        """``summon_full_params(with_grads=True)`` all-gathers the parameters, then
+        counts the ranks without a gradient with an int32 all-reduce."""
+        model = _nested(self.device, use_orig_params=True)
+        model(torch.ones(2, 3, device=self.device)).sum().backward()
+        with CollectiveRecorder() as recorder:
+            with FSDP.summon_full_params(model, with_grads=True):
+                pass
+        counts = [c.input_dtype for c in recorder.of(Collective.ALL_REDUCE)]
+        self.assertEqual(counts, [torch.int32, torch.int32])
 
     def test_summon_argument_errors_and_warning(self) -> None:
         """Torch's texts: the error for ``writeback`` with ``rank0_only``, and the
