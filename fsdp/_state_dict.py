@@ -29,7 +29,8 @@ module saves them (not copied).
   group the value is chunked over, so also from another wrapping; a
   ``DTensor``'s own ``full_tensor`` would bypass the seam and keep its group
   referenced), every rank in the same order, then loads it as full. A 0-dim
-  parameter cannot be chunked and stays a plain tensor.
+  parameter cannot be chunked and stays a plain tensor; any other plain tensor
+  is refused with torch's ``AssertionError`` (unless ``DTensor`` s are saved).
 - ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
   ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
   that holds only padding has no local shard), so it survives ``torch.save``
@@ -453,6 +454,12 @@ class _FullStateDict(_Kind):
         unit.exit(writeback=True)
 
 
+def _saves_dtensors(state: FSDPState) -> bool:
+    config = state.state_dict_config
+    use_dtensor = isinstance(config, ShardedStateDictConfig) and config._use_dtensor
+    return use_dtensor or state.device_mesh is not None
+
+
 class _ShardedStateDict(_FullStateDict):
     def summoned(self, state: FSDPState, settings: _Settings) -> SummonedUnit:
         return SummonedUnit(state)  # chunked first, offloaded after
@@ -463,7 +470,7 @@ class _ShardedStateDict(_FullStateDict):
         offload = config.offload_to_cpu
         if value.dim() == 0:
             return value.cpu() if offload else value.clone()
-        if config._use_dtensor or state.device_mesh is not None:
+        if _saves_dtensors(state):
             return _row_shard(value, state, offload)
         sharded = _chunked(value, state)
         return sharded.cpu() if offload else sharded
@@ -476,6 +483,8 @@ class _ShardedStateDict(_FullStateDict):
             value = state_dict.get(key)
             if isinstance(value, (ShardedTensor, DTensor)):
                 state_dict[key] = full_tensor(value, state.compute_device)
+            elif isinstance(value, Tensor) and value.dim() > 0 and not _saves_dtensors(state):
+                raise AssertionError(f"Expected ShardedTensor, got {type(value)}")  # torch's
         return super().pre_load(state, state_dict, prefix)
 
 

@@ -20,6 +20,7 @@ from fsdptest.api import (
     FSDP,
     FullStateDictConfig,
     MixedPrecision,
+    OptimStateKeyType,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictSettings,
@@ -334,6 +335,34 @@ class TestTorchConformance(FSDPTest):
                     pass
         texts = [str(w.message) for w in caught if "offload_to_cpu" in str(w.message)]
         self.assertEqual(texts, [text] * (2 if torch_on_cpu() else 4))
+
+    # -- misuse ------------------------------------------------------------------------------
+
+    def test_misuse_errors(self) -> None:
+        """Torch's error types and texts: a plain tensor in a sharded state dict,
+        a sharding strategy given by name, rekeying a dict whose keys are flat
+        parameters."""
+        model = _nested(self.device)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state_dict = model.state_dict()
+            state_dict["b.bias"] = torch.zeros(2, device=self.device)
+            with self.assertRaisesRegex(
+                AssertionError, r"^Expected ShardedTensor, got <class 'torch\.Tensor'>$"
+            ):
+                model.load_state_dict(state_dict)
+        with self.assertRaisesRegex(KeyError, "FULL_SHARD"):
+            FSDP(nn.Linear(2, 2).to(self.device), sharding_strategy="FULL_SHARD")
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(2, 3, device=self.device)).sum().backward()
+        optim.step()
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"^Each parameter should only map to one parameter name but got 2: "
+            r"\['b\.weight', 'b\.bias'\]$",
+        ):
+            FSDP.rekey_optim_state_dict(
+                optim.state_dict(), OptimStateKeyType.PARAM_NAME, model, optim=optim
+            )
 
     # -- state-dict settings ----------------------------------------------------------------
 
