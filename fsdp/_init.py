@@ -159,10 +159,14 @@ def resolve_strategy(strategy: ShardingStrategy | None, shard_group_size: int) -
     return strategy
 
 
+_HANDLE_STRATEGIES = {s: HandleShardingStrategy[s.name] for s in ShardingStrategy}
+
+
 def handle_strategy(strategy: ShardingStrategy, shard_group_size: int) -> HandleShardingStrategy:
+    """(A strategy that is no ``ShardingStrategy`` raises torch's ``KeyError``.)"""
     if shard_group_size == 1:
         return HandleShardingStrategy.NO_SHARD
-    return HandleShardingStrategy[strategy.name]
+    return _HANDLE_STRATEGIES[strategy]
 
 
 def managed_modules(root: nn.Module, ignored: Ignored) -> list[nn.Module]:
