@@ -11,7 +11,10 @@ gradients' promoted dtype (float16 when every gradient is float16). A rank
 without any gradient warns and returns the norm in the default dtype, as
 torch's FSDP does (it cannot know the other ranks' dtypes without another
 collective). With ``use_orig_params=True`` the original parameters'
-gradients are what is clipped (a user may have dropped some of them).
+gradients are what is clipped (a user may have dropped some of them). When no
+unit shards (every unit is ``NO_SHARD``, or no unit has parameters), every
+gradient is replicated and ``torch.nn.utils.clip_grad_norm_`` does it all, as
+in torch (without the warning about a rank without gradients).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clips every gradient of the tree in place; returns the total norm."""
     handles = [s.handle for s in states if s.handle is not None]
-    if handles and not any(h.uses_sharded_strategy for h in handles):
+    if not any(h.uses_sharded_strategy for h in handles):  # no unit shards: torch's shortcut
         return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
     placement = GradPlacement.of(root, states)
     total = total_norm(placement, norm_type, state)

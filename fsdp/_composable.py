@@ -69,7 +69,6 @@ def fully_shard(
         }
         _auto_wrap(module, policy, ignored.modules, ignored.params, kwargs, fully_shard)
     state = build_unit(module, module, args, ignored, groups)
-    state.registers_flat_param = False
     _install_hooks(module, state)
     StateDictHooks(state).register(module)
     return module

@@ -285,10 +285,16 @@ class FlatParamHandle:
         return self._reduce_dtype
 
     def grad_dtype(self) -> torch.dtype:
-        """The dtype gradients have when the optimizer sees them."""
-        if self._keep_low_precision_grads and self.storage.param_dtype is not None:
-            return self.storage.param_dtype
-        return self.storage.orig_dtype
+        """The dtype gradients have when the optimizer sees them: the parameter's
+        own, except with ``keep_low_precision_grads``, where sharded strategies
+        keep ``param_dtype`` and ``NO_SHARD`` the reduce dtype (torch's: its
+        all-reduce runs in place on the gradient cast to the reduce dtype, which
+        is then not cast back)."""
+        if not self._keep_low_precision_grads:
+            return self.storage.orig_dtype
+        if not self.uses_sharded_strategy:
+            return self.reduce_dtype()
+        return self.storage.param_dtype or self.storage.orig_dtype
 
     # -- construction, moves and lazy initialisation ------------------------------------------
 
@@ -296,12 +302,12 @@ class FlatParamHandle:
         """Keeps only this rank's shard; the original names show their resharded
         form (shard views, or placeholders)."""
         self.storage.shard_in_place()
-        self.views.show_resharded(self.flat_param._local_shard)
+        self.views.show_resharded(self.flat_param)
 
     def move_shard_to(self, device: torch.device) -> None:
         """Moves the local shard (parameter offloading keeps it on the CPU)."""
         self.storage.move_shard_to(device)
-        self.views.show_resharded(self.flat_param._local_shard)
+        self.views.show_resharded(self.flat_param)
 
     def deregister_orig_params(self) -> None:
         """Removes the original names from their modules (around ``module._apply``)."""
@@ -315,7 +321,7 @@ class FlatParamHandle:
             return
         self.storage.rebind_local_shard()
         self.views.refresh_placeholders(self.flat_param.dtype, self.flat_param.device)
-        self.views.show_resharded(self.flat_param._local_shard)
+        self.views.show_resharded(self.flat_param)
 
     def lazy_init(self) -> None:
         """At the root's first forward (the user may have moved or cast the module
@@ -326,7 +332,7 @@ class FlatParamHandle:
         self.storage.init_buffers()
         self.grads.init_buffers(self.grad_dtype(), self.device)
         if self._use_orig_params:
-            self.views.show_resharded(self.flat_param._local_shard)
+            self.views.show_resharded(self.flat_param)
 
     def sync_requires_grad(self) -> None:
         """``use_orig_params``: the flat parameter needs a gradient while any
@@ -506,7 +512,7 @@ class FlatParamHandle:
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:
-            self.views.show_resharded(self.flat_param._local_shard)
+            self.views.show_resharded(self.flat_param)
 
     def writeback_unsharded(self) -> None:
         self.storage.writeback_unsharded()
@@ -517,10 +523,10 @@ class FlatParamHandle:
         self.storage.load_local_shard(tensor)
         if not self.is_unsharded():
             self.storage.free_unsharded()
-        self.views.show_resharded(self.flat_param._local_shard)
+        self.views.show_resharded(self.flat_param)
 
     def show_resharded_params(self) -> None:
-        self.views.show_resharded(self.flat_param._local_shard)
+        self.views.show_resharded(self.flat_param)
 
     # -- writeback of user changes (use_orig_params) ----------------------------------------------
 
@@ -544,7 +550,7 @@ class FlatParamHandle:
             # edit, which may happen on some ranks only, must not decide
             # whether the next unshard all-gathers (the ranks would diverge).
             self.storage.free_unsharded()
-            self.views.show_resharded(self.flat_param._local_shard)
+            self.views.show_resharded(self.flat_param)
         self._show_grads()
 
     # -- gradients ---------------------------------------------------------------------------------

@@ -3,8 +3,11 @@
 [Note: What a unit manages]
 A unit manages the parameters and buffers of its module's subtree, except those
 of ignored modules (and their subtrees) and those under a module that already
-has FSDP applied (a nested unit manages them). Parameters are flattened in
-module order; buffers stay where they are and only change dtype and device.
+has FSDP applied (a nested unit manages them). Wrapping a unit again
+(``FSDP(FSDP(m))``, as torch allows) gives an outer unit that manages nothing:
+the inner one keeps everything, and the outer one is the root. Parameters are
+flattened in module order; buffers stay where they are and only change dtype
+and device.
 
 [Note: Devices]
 A unit's parameters are on one device; a module partly on the CPU needs
@@ -44,6 +47,13 @@ keeps its name and its replicate group, and its replicas still sum gradients
 (torch's FSDP switches it to ``NO_SHARD`` and drops the replicate group there,
 so its replicas drift apart). ``sync_module_states`` broadcasts from the first
 rank of the replicate group, then from the first rank of the shard group.
+
+[Note: Deprecation notices]
+As torch's, ``NO_SHARD`` on more than one rank gives torch's ``FutureWarning``
+(its advice, ``DistributedDataParallel``, holds here too). Torch's notice that
+``state_dict_type`` / ``set_state_dict_type`` are deprecated is not given: the
+replacement it names (``torch.distributed.checkpoint.state_dict``) does not
+know this implementation's units.
 """
 
 from __future__ import annotations
@@ -146,13 +156,24 @@ def resolve_strategy(strategy: ShardingStrategy | None, shard_group_size: int) -
             stacklevel=4,
         )
         return ShardingStrategy.NO_SHARD
+    if strategy is ShardingStrategy.NO_SHARD and shard_group_size > 1:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
     return strategy
 
 
+_HANDLE_STRATEGIES = {s: HandleShardingStrategy[s.name] for s in ShardingStrategy}
+
+
 def handle_strategy(strategy: ShardingStrategy, shard_group_size: int) -> HandleShardingStrategy:
+    """(A strategy that is no ``ShardingStrategy`` raises torch's ``KeyError``.)"""
     if shard_group_size == 1:
         return HandleShardingStrategy.NO_SHARD
-    return HandleShardingStrategy[strategy.name]
+    return _HANDLE_STRATEGIES[strategy]
 
 
 def managed_modules(root: nn.Module, ignored: Ignored) -> list[nn.Module]:
@@ -165,7 +186,7 @@ def managed_modules(root: nn.Module, ignored: Ignored) -> list[nn.Module]:
         if id(module) in seen or module in ignored.modules:
             continue
         seen.add(id(module))
-        if module is not root and _registry.has_fsdp(module):
+        if _registry.has_fsdp(module):
             continue
         result.append(module)
         stack.extend(reversed(list(module.children())))

@@ -909,7 +909,8 @@ def rekey_optim_state_dict(
 def _single_name(fqns: tuple[str, ...]) -> str:
     if len(fqns) != 1:
         raise RuntimeError(
-            f"Each parameter should only map to one parameter name but got {len(fqns)}: {fqns}"
+            f"Each parameter should only map to one parameter name but got {len(fqns)}: "
+            f"{list(fqns)}"
         )
     return fqns[0]
 

@@ -116,7 +116,7 @@ class OrigParamViews:
     _kept_home: Tensor | None  # what forward's kept views point into
     _placeholders: list[ShardedParamPlaceholder]
     _grad_none: list[bool]  # the user set this original gradient to None
-    _resharded: tuple[Tensor, list[Tensor | None]] | None  # a shard and its views
+    _resharded: tuple[Tensor, bool, list[Tensor | None]] | None  # a shard, requires_grad, views
     _shown_ptrs: list[int]  # data pointer of each parameter as last shown (resharded)
     _grad_views: tuple[Tensor, list[Tensor | None]] | None  # a gradient and its views
     _grad_ptrs: list[int]  # data pointer of each parameter's gradient as last shown
@@ -148,10 +148,12 @@ class OrigParamViews:
         self._extensions = extensions or (None,) * layout.num_params
         self.refresh_placeholders(params[0].dtype, params[0].device)
 
-    def refresh_placeholders(self, dtype: torch.dtype, device: torch.device) -> None:
+    def refresh_placeholders(
+        self, dtype: torch.dtype, device: torch.device, requires_grad: bool = True
+    ) -> None:
         if not self.use_orig_params:
             self._placeholders = [
-                ShardedParamPlaceholder(shape, dtype, device, fqn)
+                ShardedParamPlaceholder(shape, dtype, device, fqn, requires_grad)
                 for shape, fqn in zip(self.layout.shapes, self.layout.fqns)
             ]
 
@@ -247,35 +249,49 @@ class OrigParamViews:
 
     # -- between uses -----------------------------------------------------------------------
 
-    def show_resharded(self, local_shard: Tensor) -> None:
+    def show_resharded(self, flat_param: FlatParameter) -> None:
         """``use_orig_params``: each original parameter becomes the view of its part
-        of ``local_shard`` (``NO_SHARD``: of the whole parameter). Otherwise
-        ``NO_SHARD`` shows views of its (never freed) flat parameter and sharded
-        strategies show placeholders (see [Note: Placeholders for sharded
-        parameters] in fsdp._placeholder)."""
+        of the local shard (``NO_SHARD``: of the whole parameter). Otherwise
+        ``NO_SHARD`` shows views of its (never freed) flat parameter, which need
+        a gradient when it does (as torch's, views with autograd history), and
+        sharded strategies show placeholders that say the same (see [Note:
+        Placeholders for sharded parameters] in fsdp._placeholder)."""
         self._kept_home = None
+        local_shard: Tensor = flat_param._local_shard
         if not self.shard.sharded:
-            self._show_no_shard(local_shard)
+            self._show_no_shard(flat_param)
         elif self.use_orig_params:
-            self._show_shard_views(local_shard)
+            self._show_shard_views(flat_param)
         else:
+            if self._placeholders[0].requires_grad != flat_param.requires_grad:
+                self.refresh_placeholders(
+                    local_shard.dtype, local_shard.device, flat_param.requires_grad
+                )
             for info, placeholder in zip(self.layout.param_infos, self._placeholders):
                 set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
-    def _resharded_views(self, local_shard: Tensor) -> list[Tensor | None]:
-        """Each parameter's view of ``local_shard``, built once per shard tensor."""
-        if self._resharded is None or self._resharded[0] is not local_shard:
+    def _resharded_views(self, flat_param: FlatParameter) -> list[Tensor | None]:
+        """Each parameter's view of the local shard, built once per shard tensor
+        (and ``requires_grad``). ``NO_SHARD`` without ``use_orig_params`` views the
+        flat parameter itself with autograd, as torch does."""
+        local_shard: Tensor = flat_param._local_shard
+        requires_grad = flat_param.requires_grad
+        cached = self._resharded
+        if cached is None or cached[0] is not local_shard or cached[1] != requires_grad:
             if self.shard.sharded:
                 views = [self.shard.part_of(i, local_shard) for i in range(self.layout.num_params)]
+            elif not self.use_orig_params:
+                with torch.enable_grad():
+                    views = list(self.layout.views(flat_param))
             else:
                 views = list(self.layout.views(local_shard))
-            self._resharded = (local_shard, views)
-        return self._resharded[1]
+            self._resharded = (local_shard, requires_grad, views)
+        return self._resharded[2]
 
-    def _show_no_shard(self, flat: Tensor) -> None:
-        views = self._resharded_views(flat)
+    def _show_no_shard(self, flat_param: FlatParameter) -> None:
+        views = self._resharded_views(flat_param)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             assert view is not None
             if self.use_orig_params:
@@ -286,8 +302,9 @@ class OrigParamViews:
                 set_tensor(info.module, info.param_name, shown, self.safe_setattr)
         self._alias_shared()
 
-    def _show_shard_views(self, local_shard: Tensor) -> None:
-        views = self._resharded_views(local_shard)
+    def _show_shard_views(self, flat_param: FlatParameter) -> None:
+        views = self._resharded_views(flat_param)
+        local_shard: Tensor = flat_param._local_shard
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             self._point(i, view if view is not None else local_shard.new_empty(0))
             set_param(info.module, info.param_name, self.params[i], self.safe_setattr)

@@ -9,8 +9,9 @@ function, ``model.apply(fn)`` before it gathered anything) wrote out of bounds
 and killed the process. Between uses the names therefore hold a placeholder: a
 tensor with the parameter's shape, dtype and device but no storage, whose every
 operation raises an error naming the parameter and saying where its data is
-available. Metadata (``shape``, ``dtype``, ``is None`` checks, ``repr`` of the
-module) keeps working.
+available. Metadata (``shape``, ``dtype``, ``requires_grad`` as the flat
+parameter's, as torch's views say, ``is None`` checks, ``repr`` of the module)
+keeps working.
 """
 
 from __future__ import annotations
@@ -26,20 +27,34 @@ class ShardedParamPlaceholder(Tensor):
     """Stands for the original parameter ``fqn`` while its data is sharded."""
 
     _fqn: str
+    _flat_requires_grad: bool
 
     @staticmethod
     def __new__(
-        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, fqn: str
+        cls,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        fqn: str,
+        requires_grad: bool = False,
     ) -> ShardedParamPlaceholder:
         placeholder = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, shape, dtype=dtype, device=device, requires_grad=False
         )
         placeholder._fqn = fqn
+        placeholder._flat_requires_grad = requires_grad
         return placeholder
+
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        """The flat parameter's flag, as torch's views report it. Autograd sees
+        False: an in-place operation must reach ``__torch_dispatch__`` and its
+        error, not autograd's about a leaf that requires grad."""
+        return self._flat_requires_grad
 
     @classmethod
     def like(cls, tensor: Tensor, fqn: str) -> ShardedParamPlaceholder:
-        return cls(tensor.shape, tensor.dtype, tensor.device, fqn)
+        return cls(tensor.shape, tensor.dtype, tensor.device, fqn, tensor.requires_grad)
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -63,4 +78,5 @@ class ShardedParamPlaceholder(Tensor):
         return ShardedParamPlaceholder.like(self, self._fqn)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return (ShardedParamPlaceholder, (self.shape, self.dtype, self.device, self._fqn))
+        args = (self.shape, self.dtype, self.device, self._fqn, self.requires_grad)
+        return (ShardedParamPlaceholder, args)

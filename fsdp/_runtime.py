@@ -238,7 +238,7 @@ class FSDPState:
     root_context: RootContext | None
     sync_gradients: bool
     state_dict_settings: StateDictSettings
-    registers_flat_param: bool
+    flat_param_owner: nn.Module | None  # the wrapper's ``module`` (None: fully_shard)
     device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
     comm_hook: CommHook | None  # see [Note: Communication hooks]
     comm_hook_state: object
@@ -263,7 +263,9 @@ class FSDPState:
         self.compute_device = compute_device
         self.handle = handle
         self.buffers = buffers
-        self.orig_buffer_dtypes = {}
+        # The dtypes at construction (torch's), kept across lazy initialisations
+        # (``apply`` before the first forward initialises and resets the tree).
+        self.orig_buffer_dtypes = _buffer_dtypes(buffers)
         self.training_state = TrainingState.IDLE
         self.is_root = None
         self.root_context = None
@@ -271,7 +273,7 @@ class FSDPState:
         self.state_dict_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
-        self.registers_flat_param = True
+        self.flat_param_owner = None
         self.device_mesh = None
         self.comm_hook = None
         self.comm_hook_state = None
@@ -334,10 +336,6 @@ class FSDPState:
             self._check_flat_param_device(handle)
             handle.lazy_init()
             handle.find_optimizers_in_backward()
-        for module, name in self.buffers:
-            buffer = module._buffers[name]
-            if buffer is not None:
-                self.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
         self._cast_buffers(full_precision=False)
 
     def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
@@ -684,7 +682,10 @@ class FSDPState:
         if not handle.uses_sharded_strategy:
             handle.use_unsharded_grad(None if sharded is None else sharded.to(handle.device))
             return
-        missing = torch.tensor([float(sharded is None)], device=self.compute_device)
+        # An int32 count, as torch's (the collective traces agree).
+        missing = torch.tensor(
+            [int(sharded is None)], dtype=torch.int32, device=self.compute_device
+        )
         _comm.all_reduce(missing, self.process_group)
         if int(missing.item()) == self.world_size:
             handle.use_unsharded_grad(None)
@@ -756,17 +757,20 @@ class FSDPState:
                 self.unshard(handle, prefetch=True)
         return handle.pending_unshard_event()
 
-    # -- the flat parameter as a registered parameter of the wrapper --------------------
+    # -- the flat parameter as a registered parameter of the wrapped module --------------
 
     def show_flat_param(self) -> None:
-        """``use_orig_params=False``: the flat parameter is the wrapper's parameter
-        (so optimizers, ``.to()`` and ``parameters()`` see it)."""
-        handle = self.handle
-        if handle is not None and not self.config.use_orig_params and self.registers_flat_param:
-            self.module._parameters[FLAT_PARAM] = handle.flat_param
+        """``use_orig_params=False``: the flat parameter is a parameter of the
+        wrapped module (the wrapper's ``module``), named
+        ``_fsdp_wrapped_module._flat_param`` from the wrapper, as in torch (so
+        optimizers, ``.to()`` and ``parameters()`` see it)."""
+        handle, owner = self.handle, self.flat_param_owner
+        if handle is not None and owner is not None and not self.config.use_orig_params:
+            owner._parameters[FLAT_PARAM] = handle.flat_param
 
     def hide_flat_param(self) -> None:
-        self.module._parameters.pop(FLAT_PARAM, None)
+        if self.flat_param_owner is not None:
+            self.flat_param_owner._parameters.pop(FLAT_PARAM, None)
 
     # -- helpers for other layers ------------------------------------------------------------
 
@@ -777,6 +781,15 @@ class FSDPState:
             raise ValueError(
                 f"expected to be in states {states} but current state is {self.training_state}"
             )
+
+
+def _buffer_dtypes(buffers: list[tuple[nn.Module, str]]) -> dict[tuple[int, str], torch.dtype]:
+    dtypes = {}
+    for module, name in buffers:
+        buffer = module._buffers[name]
+        if buffer is not None:
+            dtypes[(id(module), name)] = buffer.dtype
+    return dtypes
 
 
 def _check_homogeneous(states: list[FSDPState]) -> None:

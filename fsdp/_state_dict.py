@@ -30,7 +30,8 @@ module saves them (not copied).
   (flat) order, then loads it as full. A value of any kind, wrapping, world size
   or mesh loads (torch's FSDP loads only the kind and mesh it saves, asserted in
   ``suites/test_fsdp_dtensor_state_dict.py``). A 0-dim parameter cannot be
-  chunked and stays a plain tensor.
+  chunked and stays a plain tensor; any other plain tensor is refused with
+  torch's ``AssertionError`` (unless ``DTensor`` s are saved).
 - ``LOCAL_STATE_DICT``: the unit's flat shard under ``_flat_param``, as a
   ``ShardedTensor`` over the *unpadded* flat parameter (a view, no copy; a rank
   that holds only padding has no local shard), so it survives ``torch.save``
@@ -64,16 +65,17 @@ settings gets new settings with the flag set.
 As torch's: with ``offload_to_cpu`` every buffer of the unit's subtree goes to
 the CPU; a unit with buffer mixed precision saves every buffer of its subtree
 that some unit manages (ignored ones excepted) as a copy in its original dtype
-(buffers live in ``buffer_dtype`` from lazy initialisation on). Otherwise the
+(its dtype when the unit was built; buffers live in ``buffer_dtype`` from lazy
+initialisation on). Otherwise the
 entries are the module's own tensors. Names come from ``named_buffers()``: the
 second name of a module registered twice is left as the module saves it.
 
 [Note: NO_SHARD units save full state dicts]
 As in torch, a ``NO_SHARD`` unit (also a sharded strategy at world size 1,
 which becomes ``NO_SHARD``) saves and loads ``FULL_STATE_DICT`` with the
-default config, whatever type and config are set, and warns that it does so on
-every save and load: there is nothing to shard, and ``rank0_only`` /
-``offload_to_cpu`` do not apply.
+default config, whatever type and config are set, and warns that it does so in
+each of its four hooks (twice per save and twice per load, with torch's texts):
+there is nothing to shard, and ``rank0_only`` / ``offload_to_cpu`` do not apply.
 """
 
 from __future__ import annotations
@@ -111,8 +113,12 @@ from fsdp.api import (
     StateDictType,
 )
 
-_NO_SHARD_WARNING = (
+# Torch's texts, word for word (its load hooks lose a space).
+_NO_SHARD_SAVE_WARNING = (
     "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+)
+_NO_SHARD_LOAD_WARNING = (
+    "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict willbe returned."
 )
 
 
@@ -173,12 +179,19 @@ class _Settings(NamedTuple):
     def of(cls, state: FSDPState) -> _Settings:
         if state.config.sharding_strategy is not ShardingStrategy.NO_SHARD:
             return cls(state.state_dict_type, state.state_dict_config)
-        warnings.warn(_NO_SHARD_WARNING, stacklevel=4)
         return cls(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
 
     @property
     def rank0_only(self) -> bool:
         return isinstance(self.config, FullStateDictConfig) and self.config.rank0_only
+
+
+def _warn_if_no_shard(state: FSDPState, loading: bool) -> None:
+    """Each of a ``NO_SHARD`` unit's four hooks warns (see [Note: NO_SHARD units
+    save full state dicts])."""
+    if state.config.sharding_strategy is ShardingStrategy.NO_SHARD:
+        text = _NO_SHARD_LOAD_WARNING if loading else _NO_SHARD_SAVE_WARNING
+        warnings.warn(text, stacklevel=5)
 
 
 def _key(prefix: str, module_name: str, name: str) -> str:
@@ -192,6 +205,7 @@ class _UnitKeys:
 
     params: list[str]
     param_indices: list[int]  # each key's parameter in the flat parameter
+    param_names: list[tuple[str, str]]  # each parameter's module name and name
     buffers: list[str]
     buffer_dtypes: dict[str, torch.dtype]  # managed buffers: their original dtype
 
@@ -199,7 +213,9 @@ class _UnitKeys:
         handle = state.handle
         own = [] if handle is None else list(handle.param_infos())
         shared = [] if handle is None else list(handle.shared_param_infos())
-        self.params = [_key(prefix, i.module_name, i.param_name) for i in [*own, *shared]]
+        infos = [*own, *shared]
+        self.params = [_key(prefix, i.module_name, i.param_name) for i in infos]
+        self.param_names = [(i.module_name, i.param_name) for i in infos]
         primaries = {(id(i.module), i.param_name): n for n, i in enumerate(own)}
         self.param_indices = list(range(len(own))) + [
             primaries[(id(i.prim_module), i.prim_param_name)] for i in shared
@@ -263,11 +279,18 @@ def _drop_unit_entries(keys: _UnitKeys, state_dict: dict[str, Any], prefix: str)
         state_dict.pop(key, None)
 
 
-def _check_saved(key: str, state_dict: dict[str, Any], state: FSDPState) -> None:
+def _check_saved(
+    key: str, info: tuple[str, str], prefix: str, state_dict: dict[str, Any], state: FSDPState
+) -> None:
+    """Torch's check and message (``info``: the parameter's module and name), e.g.
+    for a rank that a ``summon_full_params(rank0_only=True)`` leaves sharded."""
     if key not in state_dict:
+        module_name, param_name = info
+        module_name = clean_tensor_name(f"{module_name}.") if module_name else ""
         raise AssertionError(
             f"FSDP assumes {key} is in the state_dict but the state_dict only has "
-            f"{state_dict.keys()}. rank={state.rank}."
+            f"{state_dict.keys()}. prefix={prefix}, module_name={module_name}, "
+            f"param_name={param_name} rank={state.rank}."
         )
 
 
@@ -365,7 +388,7 @@ class _FullStateDict(_Kind):
 
     def pre_save(self, state: FSDPState, settings: _Settings) -> SummonedUnit | None:
         unit = self.summoned(state, settings)
-        validate_unshard([state], False, unit.rank0_only, unit.offload_to_cpu, False)
+        validate_unshard(state, False, unit.rank0_only, unit.offload_to_cpu, False)
         unit.enter()
         return unit
 
@@ -384,10 +407,10 @@ class _FullStateDict(_Kind):
             if settings.rank0_only and state.rank != 0:
                 _drop_unit_entries(keys, state_dict, prefix)
                 return
-            state_dict.pop(prefix + FLAT_PARAM, None)
-            for key in keys.params:
-                _check_saved(key, state_dict, state)
+            for key, info in zip(keys.params, keys.param_names):
+                _check_saved(key, info, prefix, state_dict, state)
                 state_dict[key] = self.save_param(state_dict[key], state, settings.config)
+            state_dict.pop(prefix + FLAT_PARAM, None)
         finally:
             unit.exit(writeback=False)
         _save_buffers(state, keys, state_dict, settings.config.offload_to_cpu)
@@ -403,6 +426,12 @@ class _FullStateDict(_Kind):
     def post_load(self, unit: SummonedUnit | None) -> None:
         assert unit is not None
         unit.exit(writeback=True)
+
+
+def _saves_dtensors(state: FSDPState) -> bool:
+    config = state.state_dict_config
+    use_dtensor = isinstance(config, ShardedStateDictConfig) and config._use_dtensor
+    return use_dtensor or state.device_mesh is not None
 
 
 class _ShardedStateDict(_FullStateDict):
@@ -432,6 +461,8 @@ class _ShardedStateDict(_FullStateDict):
             value = state_dict.get(key)
             if isinstance(value, (ShardedTensor, DTensor)):
                 state_dict[key] = _loaded(value, state, index)
+            elif isinstance(value, Tensor) and value.dim() > 0 and not _saves_dtensors(state):
+                raise AssertionError(f"Expected ShardedTensor, got {type(value)}")  # torch's
         return super().pre_load(state, state_dict, prefix)
 
 
@@ -513,13 +544,15 @@ class StateDictHooks:
         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.pre_load, self))
         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.post_load, self))
 
-    def _begin(self, module: nn.Module) -> _Kind:
+    def _begin(self, module: nn.Module, loading: bool) -> _Kind:
+        _warn_if_no_shard(self.state, loading)
         ensure_initialized(module)
         _use_dtensor_with_mesh(self.state)
         self._settings = _Settings.of(self.state)
         return _KINDS[self._settings.kind]
 
-    def _end(self) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+    def _end(self, loading: bool) -> tuple[_Kind, _Settings, SummonedUnit | None]:
+        _warn_if_no_shard(self.state, loading)
         settings, unit = self._settings, self._unit
         assert settings is not None, "state-dict post-hook without its pre-hook"
         self._settings, self._unit = None, None
@@ -527,7 +560,7 @@ class StateDictHooks:
 
     @torch.no_grad()
     def pre_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        kind = self._begin(module)
+        kind = self._begin(module, loading=False)
         assert self._settings is not None
         self._unit = kind.pre_save(self.state, self._settings)
 
@@ -535,7 +568,7 @@ class StateDictHooks:
     def post_save(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        kind, settings, unit = self._end()
+        kind, settings, unit = self._end(loading=False)
         kind.post_save(self.state, unit, settings, state_dict, prefix)
 
     @torch.no_grad()
@@ -550,12 +583,12 @@ class StateDictHooks:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        kind = self._begin(module)
+        kind = self._begin(module, loading=True)
         self._load_prefix = prefix
         self._unit = kind.pre_load(self.state, state_dict, prefix)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        kind, _, unit = self._end()
+        kind, _, unit = self._end(loading=True)
         kind.post_load(unit)
         # A local state dict's flat shard was loaded (and removed) by the pre-hook.
         loaded = clean_tensor_name(self._load_prefix + FLAT_PARAM)

@@ -4,8 +4,10 @@
 Each unit in scope gathers its parameters in full precision (mixed precision
 never applies here) and exposes them as ``nn.Parameter`` s under their original
 names; the flat parameter is hidden from ``named_parameters()`` and names lose
-the wrapper prefix, so the module looks like the unwrapped one. Units already
-summoned by an enclosing call are left to it.
+the wrapper prefix, so the module looks like the unwrapped one. As in torch,
+each unit is checked, then summoned, in turn; summoning a unit that is already
+summoned raises (a state dict saved or loaded inside a summon is not a summon:
+it sees what the summon exposes).
 
 - ``writeback``: on exit each rank copies its part of the (possibly modified)
   parameters back into its shard (and, with ``with_grads``, of the gradients
@@ -37,7 +39,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from fsdp import _registry
-from fsdp._common import TrainingState
+from fsdp._common import HandleTrainingState, TrainingState
 from fsdp._runtime import FSDPState
 
 
@@ -61,36 +63,43 @@ def ensure_initialized(module: nn.Module) -> None:
 
 
 def validate_unshard(
-    states: list[FSDPState],
+    state: FSDPState,
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> None:
-    """Torch's checks of the unshard arguments (``summon_full_params`` and the
-    full and sharded state dicts, which unshard the same way)."""
-    for state in states:
-        if state.training_state is TrainingState.FORWARD_BACKWARD:
-            raise AssertionError("Cannot manually unshard parameters during forward/backward")
-        if with_grads and (offload_to_cpu or not state.config.use_orig_params):
-            raise NotImplementedError(
-                f"with_grads={with_grads}, use_orig_params={state.config.use_orig_params}, "
-                f"offload_to_cpu={offload_to_cpu} is not supported yet"
-            )
-        if offload_to_cpu and state.handle is not None and not state.handle.uses_sharded_strategy:
-            raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
-    if writeback and rank0_only:
+    """Torch's checks of the unshard arguments for one unit, in its order and
+    with its messages (``summon_full_params`` and the full and sharded state
+    dicts, which unshard the same way); the warning about ``offload_to_cpu``
+    has torch's text."""
+    if with_grads and (offload_to_cpu or not state.config.use_orig_params):
         raise NotImplementedError(
-            "writeback=True and rank0_only=True is not supported, as model parameter shapes will "
-            "be different across ranks, and writing to them can lead to inconsistencies across "
-            "ranks when the context is exited."
+            f"with_grads={with_grads}, use_orig_params={state.config.use_orig_params}, "
+            f"offload_to_cpu={offload_to_cpu} is not supported yet"
         )
+    if offload_to_cpu and state.handle is not None and not state.handle.uses_sharded_strategy:
+        raise NotImplementedError("offload_to_cpu=True and NO_SHARD is not supported yet")
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
     if offload_to_cpu and not rank0_only:
         warnings.warn(
-            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
-            "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
-            "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
+            "offload_to_cpu=True and rank0_only=False may result in the"
+            "unsharded parameters being redundantly copied to CPU memory for GPUs sharing the "
+            "same CPU memory, which risks CPU OOM. We recommend using offload_to_cpu=True with "
+            "rank0_only=True.",
             stacklevel=4,
+        )
+
+
+def check_can_summon(state: FSDPState) -> None:
+    """``summon_full_params`` is not for a unit in forward or backward, nor for
+    one that a summon already exposes (torch's errors)."""
+    if state.training_state is TrainingState.FORWARD_BACKWARD:
+        raise AssertionError("Cannot manually unshard parameters during forward/backward")
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        raise AssertionError(
+            "Cannot manually unshard parameters when already unsharding parameters"
         )
 
 
@@ -104,15 +113,14 @@ def summon_full_params(
     with_grads: bool = False,
 ) -> Iterator[None]:
     ensure_initialized(module)
-    states = [
-        s
-        for s in states_in(module, recurse)
-        if s.training_state is not TrainingState.SUMMON_FULL_PARAMS
-    ]
-    validate_unshard(states, writeback, rank0_only, offload_to_cpu, with_grads)
     entered: list[SummonedUnit] = []
     try:
-        for state in states:
+        for state in states_in(module, recurse):
+            # Torch checks the arguments before and after the unit's own checks
+            # (the summon's, then the unshard's), so its warning comes twice.
+            validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
+            check_can_summon(state)
+            validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
             unit = SummonedUnit(state, rank0_only, offload_to_cpu, with_grads)
             entered.append(unit)
             unit.enter()
@@ -124,13 +132,16 @@ def summon_full_params(
 
 class SummonedUnit:
     """One unit while its full parameters are exposed (summon_full_params, state
-    dicts, ``apply``); see [Note: Summoning]."""
+    dicts, ``apply``); see [Note: Summoning]. A unit that an enclosing
+    ``summon_full_params`` already exposes is left as it is (a state dict saved
+    or loaded inside the summon reads or writes what the summon exposes)."""
 
     state: FSDPState
     rank0_only: bool
     offload_to_cpu: bool
     with_grads: bool
     _free_on_exit: bool
+    _enclosed: bool  # an enclosing summon exposes the unit: enter and exit do nothing
 
     def __init__(
         self,
@@ -144,6 +155,7 @@ class SummonedUnit:
         self.offload_to_cpu = offload_to_cpu
         self.with_grads = with_grads
         self._free_on_exit = True
+        self._enclosed = False
 
     @property
     def _hidden_here(self) -> bool:
@@ -152,8 +164,15 @@ class SummonedUnit:
 
     def enter(self) -> None:
         state = self.state
-        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+        if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            self._enclosed = True
+            return
         handle = state.handle
+        if handle is not None and handle.training_state is not HandleTrainingState.IDLE:
+            raise AssertionError(
+                f"Expects the handle training to be IDLE but got {handle.training_state}"
+            )
+        state.training_state = TrainingState.SUMMON_FULL_PARAMS
         if handle is None:
             return
         handle.begin_summon()
@@ -179,6 +198,8 @@ class SummonedUnit:
         handle._use_unsharded_views(as_params=True)
 
     def exit(self, writeback: bool) -> None:
+        if self._enclosed:
+            return
         state = self.state
         handle = state.handle
         try:

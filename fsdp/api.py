@@ -134,9 +134,12 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass(frozen=True)
 class StateDictSettings:
-    state_dict_type: StateDictType
-    state_dict_config: StateDictConfig
-    optim_state_dict_config: OptimStateDictConfig
+    """A state-dict type with its configs. ``set_state_dict_type`` on a module
+    without FSDP units returns one whose fields are all None (as torch's)."""
+
+    state_dict_type: StateDictType | None
+    state_dict_config: StateDictConfig | None
+    optim_state_dict_config: OptimStateDictConfig | None
 
 
 class OptimStateKeyType(enum.Enum):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from fsdp import _optim_state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
@@ -106,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         self._fsdp_wrapped_module = module
         self._state = build_unit(self, module, args, ignored, groups, device_mesh)
+        self._state.flat_param_owner = self.module
         self._state.show_flat_param()
         StateDictHooks(self._state).register(self)
 
@@ -113,8 +115,12 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module; inside an activation-checkpointing wrapper, the
+        module that wrapper wraps (as in torch)."""
+        wrapped = self._fsdp_wrapped_module
+        if isinstance(wrapped, ActivationWrapper):
+            return wrapped._checkpoint_wrapped_module
+        return wrapped
 
     @property
     def _flat_param(self) -> FlatParameter | None:
@@ -198,6 +204,10 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def _state_dict_config(self) -> StateDictConfig:
         return self._state.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig | None:
+        return self._state.state_dict_settings.optim_state_dict_config
 
     @property
     def training_state(self) -> TrainingState:
@@ -293,12 +303,19 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """The FSDP wrappers in ``module`` (itself included), outermost first."""
+        """The FSDP wrappers in ``module`` (itself included), outermost first.
+        ``root_only``: those that are roots, each initialised lazily first (as in
+        torch, a wrapper initialised before its enclosing unit is a root until
+        that unit runs; one below an initialised root is not)."""
         wrappers = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
             return wrappers
-        inner = {id(m) for w in wrappers for m in w.modules() if m is not w}
-        return [w for w in wrappers if id(w) not in inner]
+        roots = []
+        for wrapper in wrappers:
+            wrapper._state.lazy_init()
+            if wrapper._state.is_root:
+                roots.append(wrapper)
+        return roots
 
     @staticmethod
     def summon_full_params(
@@ -321,7 +338,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Sets the state-dict type and configs of every unit under ``module``
-        (which need not be a unit itself); returns the previous settings."""
+        (which need not be a unit itself); returns the previous settings (see
+        ``_previous_settings``)."""
         config_type, optim_config_type = STATE_DICT_CONFIGS[state_dict_type]
         config = state_dict_config or config_type()
         optim_config = optim_state_dict_config or optim_config_type()
@@ -334,17 +352,21 @@ class FullyShardedDataParallel(nn.Module):
                 f"Expected optim_state_dict_config of type {optim_config_type} "
                 f"but got {type(optim_config)}"
             )
-        previous = _shared_settings(states_in(module, recurse=True))
+        states = states_in(module, recurse=True)
+        previous = _previous_settings(states)
         settings = StateDictSettings(state_dict_type, config, optim_config)
-        for state in states_in(module, recurse=True):
+        for state in states:
             state.state_dict_settings = settings
         return previous
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The settings of the units under ``module`` (all units share them); see
-        [Note: _use_dtensor follows the device mesh] for units with a mesh."""
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
+        """The settings of the units under ``module`` (all units share them; None
+        when there is no unit, as in torch); see [Note: _use_dtensor follows the
+        device mesh] for units with a mesh."""
         states = states_in(module, recurse=True)
+        if not states:
+            return None
         return optim_settings_with_mesh(states, _shared_settings(states))
 
     @staticmethod
@@ -601,13 +623,31 @@ class FullyShardedDataParallel(nn.Module):
         return clip_grad_norm(self, self._state, states, float(max_norm), float(norm_type))
 
 
+def _previous_settings(states: list[FSDPState]) -> StateDictSettings:
+    """The first unit's settings, once every unit is checked to have the same
+    type and the same kinds of configs (torch's checks and messages; the config
+    values may differ). All None without units."""
+    if not states:
+        return StateDictSettings(None, None, None)
+    first = states[0].state_dict_settings
+    for state in states[1:]:
+        settings = state.state_dict_settings
+        if settings.state_dict_type != first.state_dict_type:
+            raise AssertionError("All FSDP modules should have the same state_dict_type.")
+        if not isinstance(settings.state_dict_config, type(first.state_dict_config)):
+            raise AssertionError("All FSDP modules must have the same type of state_dict_config.")
+        if not isinstance(settings.optim_state_dict_config, type(first.optim_state_dict_config)):
+            raise AssertionError(
+                "All FSDP modules must have the same type of optim_state_dict_config."
+            )
+    return first
+
+
 FSDP = FullyShardedDataParallel
 
 
 def _shared_settings(states: list[FSDPState]) -> StateDictSettings:
     """The state-dict settings every unit of ``states`` has."""
-    if not states:
-        raise ValueError("No FSDP modules found in the given module")
     settings = states[0].state_dict_settings
     for state in states[1:]:
         if state.state_dict_settings != settings:
