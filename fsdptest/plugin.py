@@ -11,12 +11,16 @@ FSDP cannot run on CPU-only machines (except in tests marked
 ``torch_cpu_offload_asserted``, which assert that failure themselves:
 ``fsdptest.api.assert_torch_refuses_cpu_offload``). For the property search
 (``fsdptest.properties``) it registers and loads the hypothesis profiles and
-gives the ``property_search`` and ``replayed_example`` fixtures.
+gives the ``property_search`` and ``replayed_example`` fixtures; for the
+differential conformance search (``fsdptest.conformance``) it adds
+``--fsdp-reference`` and gives the ``conformance_search`` and
+``replayed_scenario`` fixtures.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -27,6 +31,8 @@ from fsdptest._constants import (
     IMPL_ENV,
     TORCH_CPU_OFFLOAD_SKIP,
 )
+from fsdptest.conformance.scenario import Scenario
+from fsdptest.conformance.search import BUDGETS, Budget, ConformanceSearch, Tally
 from fsdptest.implementations import (
     ENTRY_POINT_GROUP,
     Implementation,
@@ -39,6 +45,8 @@ from harness._types import Placement
 from harness.rank_calls import RankCalls
 
 impl_key = pytest.StashKey[Implementation]()
+reference_key = pytest.StashKey[Implementation]()
+tally_key = pytest.StashKey[Tally]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,6 +58,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="FSDP under test: this project's fsdp package (local), torch.distributed.fsdp "
         f"(torch), a name registered in the entry-point group {ENTRY_POINT_GROUP}, or the "
         "path of a module exposing the FSDP1 API (mypkg.fsdp). Default: local.",
+    )
+    group.addoption(
+        "--fsdp-reference",
+        default="torch",
+        metavar="NAME",
+        help="the FSDP the conformance search compares the one under test with (names as "
+        "--fsdp-impl). Default: torch.",
+    )
+    group.addoption(
+        "--conformance-scenarios",
+        type=int,
+        default=None,
+        metavar="N",
+        help="scenarios per world size of the conformance search, instead of the hypothesis "
+        f"profile's (ci: {BUDGETS['ci'].scenarios}, deep: {BUDGETS['deep'].scenarios}).",
+    )
+    group.addoption(
+        "--conformance-stats",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per conformance scenario (how each run ended, what was "
+        "compared, which allowed differences applied) to PATH.",
+    )
+    group.addoption(
+        "--conformance-survey",
+        action="store_true",
+        help="run every scenario of the conformance search's budget without stopping at "
+        "the first failure (no shrinking); failures go to --conformance-stats with their "
+        "replay commands, and the test fails at the end if any scenario did.",
     )
     group.addoption(
         "--replay-example",
@@ -74,10 +111,12 @@ def pytest_configure(config: pytest.Config) -> None:
     before hypothesis's own ``pytest_configure``, which applies its
     ``--hypothesis-*`` options on top of the profile loaded here."""
     name = config.getoption("fsdp_impl")
-    try:
-        config.stash[impl_key] = resolve(name)
-    except UnknownImplementation as error:
-        raise pytest.UsageError(str(error)) from None
+    for option, key in (("--fsdp-impl", impl_key), ("--fsdp-reference", reference_key)):
+        try:
+            config.stash[key] = resolve(config.getoption(option))
+        except UnknownImplementation as error:
+            raise pytest.UsageError(str(error).replace("--fsdp-impl", option, 1)) from None
+    config.stash[tally_key] = Tally()
     os.environ[IMPL_ENV] = name
     config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
     register_profiles(config.getoption("property_examples"))
@@ -89,12 +128,50 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"fsdp implementation: {impl.describe()} ({impl.origin})"
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tally = terminalreporter.config.stash.get(tally_key, None)
+    if tally is not None and tally.scenarios:
+        terminalreporter.write_line(tally.summary())
+
+
 @pytest.fixture(scope="module")
 def property_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> PropertySearch:
     """Runs property examples on pooled ranks (see fsdptest.properties.search);
     failures name ``test_replay_example`` of the requesting module for replay."""
     replay_test = f"{request.node.nodeid}::test_replay_example"
     return PropertySearch(rank_calls, request.config.getoption("fsdp_impl"), replay_test)
+
+
+@pytest.fixture(scope="module")
+def conformance_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> ConformanceSearch:
+    """Runs conformance scenarios on pooled ranks (see fsdptest.conformance.search);
+    failures name ``test_replay_scenario`` of the requesting module for replay."""
+    config = request.config
+    profile = chosen_profile(config.getoption("hypothesis_profile", None))
+    budget = BUDGETS.get(profile, BUDGETS["ci"])
+    count = config.getoption("conformance_scenarios")
+    stats = config.getoption("conformance_stats")
+    return ConformanceSearch(
+        rank_calls,
+        config.getoption("fsdp_impl"),
+        config.getoption("fsdp_reference"),
+        f"{request.node.nodeid}::test_replay_scenario",
+        Budget(count or budget.scenarios, budget.steps),
+        config.stash[tally_key],
+        Path(stats) if stats else None,
+        survey=config.getoption("conformance_survey"),
+    )
+
+
+@pytest.fixture
+def replayed_scenario(request: pytest.FixtureRequest) -> Scenario:
+    """The scenario of ``--replay-example``; skips without one."""
+    replay_id = request.config.getoption("replay_example")
+    if replay_id is None:
+        pytest.skip(
+            "no scenario to replay: pass --replay-example ID (a conformance failure prints it)"
+        )
+    return Scenario.from_replay_id(replay_id)
 
 
 @pytest.fixture

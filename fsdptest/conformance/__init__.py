@@ -1,0 +1,1 @@
+"""Differential conformance (see fsdptest.conformance.search)."""
