@@ -373,6 +373,11 @@ class ProgramMachine(RuleBasedStateMachine):
         settings = self.settings
         if api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.LOCAL:
             api = sc.OptimApi.FULL
+        sharded = api is sc.OptimApi.SHARDED or (
+            api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.SHARDED
+        )
+        if sharded and self.setup.mesh and not self.TARGET.asks("SHARDED_OPTIM_STATE_WITH_MESH"):
+            api = sc.OptimApi.FULL
         rank0_only = api is sc.OptimApi.FULL or (
             api is sc.OptimApi.OPTIM_STATE_DICT
             and settings.kind is sc.StateDictKind.FULL
@@ -451,10 +456,19 @@ class ProgramMachine(RuleBasedStateMachine):
     def edit_parameters(self) -> None:
         self._add(sc.EditParams())
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self._may_apply())
     @rule(fn=st.sampled_from(list(sc.ApplyFn)))
     def apply(self, fn: sc.ApplyFn) -> None:
         self._add(sc.Apply(fn=fn))
+
+    def _may_apply(self) -> bool:
+        precision = self.setup.mixed_precision
+        buffer_dtype = precision is not None and precision.buffer_dtype is not None
+        return (
+            self.inited
+            or not buffer_dtype
+            or self.TARGET.asks("APPLY_BEFORE_FIRST_FORWARD_WITH_BUFFER_DTYPE")
+        )
 
     @precondition(lambda self: self.net is not None and not self.inited and not self.hooked)
     @rule(kind=st.sampled_from(list(sc.HookKind)))
@@ -474,11 +488,17 @@ class ProgramMachine(RuleBasedStateMachine):
         inside ``summon_full_params``; ``FSDP(model)`` of the FSDP root before its
         first forward (after it, every later call of torch's FSDP fails its
         root check)."""
-        if misuse == "state_dict inside summon" and self._in("summon"):
+        if misuse == "state_dict inside summon" and self._may_save_inside_summon():
             self._add(sc.SaveStateDict())
             self.saved.append(Saved(self.settings))
-        elif misuse == "wrap the root again" and not self.inited and not self.contexts:
+        elif misuse == "wrap the root again" and self._may_wrap_again():
             self._add(sc.WrapAgain())
+
+    def _may_save_inside_summon(self) -> bool:
+        return self._in("summon") and self.TARGET.asks("STATE_DICT_INSIDE_SUMMON")
+
+    def _may_wrap_again(self) -> bool:
+        return not self.inited and not self.contexts and self.TARGET.asks("WRAP_AGAIN")
 
     # -- the end -------------------------------------------------------------------------------
 
