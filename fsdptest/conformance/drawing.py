@@ -266,6 +266,8 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._free())
     @rule(no_grad=st.booleans())
     def forward(self, no_grad: bool) -> None:
+        if no_grad and self.setup.forward_prefetch:
+            no_grad = self.TARGET.asks("FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD")
         """A forward on its own (not inside a summon: torch's FSDP then all-gathers
         on some ranks only under ``rank0_only``, and gloo aborts)."""
         self._add(sc.Forward(no_grad=no_grad))
@@ -479,6 +481,8 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.net is not None)
     @rule(root_only=st.booleans())
     def fsdp_modules(self, root_only: bool) -> None:
+        if root_only and not self.inited:
+            root_only = self.TARGET.asks("FSDP_MODULES_ROOT_ONLY_INITIALIZES")
         self._add(sc.FsdpModules(root_only=root_only))
 
     @precondition(lambda self: self.net is not None and not self.pending)
