@@ -99,6 +99,14 @@ PENDING_WITNESSES: dict[str, sc.Scenario] = {
 # A scenario holding each call that is not drawn for ours.
 NET3 = sc.Net(vocab=0, width=2, blocks=tuple(B((L(K.LINEAR, 2),)) for _ in range(3)))
 PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
+    "LOCAL_STATE_DICT_SETTINGS_WITH_MESH": _scenario(
+        (
+            sc.EnterStateDictType(sc.Settings(kind=sc.StateDictKind.LOCAL)),
+            sc.SaveStateDict(),
+            sc.Exit(),
+        ),
+        sc.Setup(mesh=True),
+    ),
     "FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD": sc.Scenario(
         3,
         NET3,

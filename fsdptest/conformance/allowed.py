@@ -273,6 +273,8 @@ class Target:
         hybrid_groups = setup.sharding.is_hybrid() and setup.replicas > 1
         if hybrid_groups and not self.asks("LOCAL_STATE_DICT_OF_HYBRID_GROUPS"):
             kinds.remove(StateDictKind.LOCAL)
+        elif setup.mesh and not self.asks("LOCAL_STATE_DICT_SETTINGS_WITH_MESH"):
+            kinds.remove(StateDictKind.LOCAL)
         return kinds
 
     def may_load(self, setup: Setup, kind: StateDictKind) -> bool:
@@ -730,6 +732,16 @@ _UNASKED_WITNESS = (
 PENDING_UNASKED: dict[str, Unasked] = {
     entry.name: entry
     for entry in (
+        Unasked(
+            "LOCAL_STATE_DICT_SETTINGS_WITH_MESH",
+            "FSDP.get_state_dict_type(model) under LOCAL_STATE_DICT for units built with a "
+            "device_mesh: torch raises 'Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            "compatible with LOCAL_STATE_DICT. ...' (as state_dict() then does in both), ours "
+            "returns the settings (C17)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
         Unasked(
             "FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD",
             "forward_prefetch=True, a forward under no_grad, then a forward and a backward: "
