@@ -62,9 +62,7 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
     "TORCH_INTERNAL_WARNINGS": _scenario(
         (*TRAIN, _settings(sc.StateDictKind.SHARDED), sc.SaveOptimState())
     ),
-    "NO_SHARD_LOAD_WARNING_TEXT": _scenario(
-        (sc.SaveStateDict(), sc.LoadStateDict(slot=0)), NO_SHARD
-    ),
+    "TORCH_WARNING_TYPOS": _scenario((sc.SaveStateDict(), sc.LoadStateDict(slot=0)), NO_SHARD),
     "OPTIMIZER_STATE_ENTRY_ORDER": _scenario(
         (
             *TRAIN,
@@ -90,7 +88,7 @@ PENDING_WITNESSES: dict[str, sc.Scenario] = {
     "LOCAL_FLAT_PARAM_REQUIRES_GRAD": _scenario(
         (*TRAIN, _settings(sc.StateDictKind.LOCAL), sc.SaveStateDict())
     ),
-    "OPTIM_CONFIG_USE_DTENSOR_WITH_MESH": _scenario(
+    "USE_DTENSOR_WITH_MESH": _scenario(
         (_settings(sc.StateDictKind.SHARDED), sc.SaveStateDict()), sc.Setup(mesh=True)
     ),
     "WITH_GRADS_FLAG_DTYPE": _scenario((sc.EnterSummon(with_grads=True), sc.Exit()), ORIG),
@@ -107,7 +105,7 @@ PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
         ),
         sc.Setup(mesh=True),
     ),
-    "FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD": sc.Scenario(
+    "FORWARD_PREFETCH_BACKWARD_ORDER": sc.Scenario(
         3,
         NET3,
         sc.Setup(wrap=Wrap.BLOCKS, forward_prefetch=True),
@@ -207,6 +205,13 @@ class TestTorchLimitations(FSDPTest):
             with self.assertRaisesRegex(RuntimeError, "out of bounds for storage of size 0"):
                 with summon:
                     pass
+        model = self._torch_fsdp(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1, bias=False)))
+        config = torch_fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+        with torch_fsdp.FullyShardedDataParallel.state_dict_type(
+            model, torch_fsdp.StateDictType.FULL_STATE_DICT, config
+        ):
+            with self.assertRaisesRegex(RuntimeError, "out of bounds for storage of size 0"):
+                model.state_dict()
 
     def test_sync_module_states_on_cpu_ranks(self) -> None:
         """T2: torch refuses CPU modules even with device_id=cpu."""

@@ -32,7 +32,16 @@ from typing import Any
 
 import torch
 
-from fsdptest.conformance.scenario import Block, LayerKind, Net, Optimizer, Setup, StateDictKind
+from fsdptest.conformance.observe import EXACT, TensorView, first_difference
+from fsdptest.conformance.scenario import (
+    Block,
+    LayerKind,
+    Net,
+    Optimizer,
+    Settings,
+    Setup,
+    StateDictKind,
+)
 from fsdptest.implementations import BUILTIN_MODULES
 from fsdptest.properties.examples import Sharding
 
@@ -72,8 +81,9 @@ UNASKED = _entries(
         "SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR",
         "summon_full_params(offload_to_cpu=True) on CPU ranks: torch raises 'setStorage: ... "
         "out of bounds for storage of size 0' (on rank 0 only under rank0_only=True, so the "
-        "other ranks wait in the next collective); no scenario on CPU ranks summons with "
-        "offload_to_cpu when either side is torch's",
+        "other ranks wait in the next collective), and so does a FULL_STATE_DICT with "
+        "FullStateDictConfig(offload_to_cpu=True), which summons so; no scenario on CPU ranks "
+        "summons or saves a full state dict with offload_to_cpu when either side is torch's",
         "suites/test_conformance_allowed.py::TestTorchLimitations::"
         "test_summon_offload_to_cpu_on_cpu_ranks",
     ),
@@ -202,6 +212,12 @@ class Target:
     def may_summon_offload(self) -> bool:
         return self.asks("SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR")
 
+    def fit_settings(self, settings: Settings) -> Settings:
+        """A full state dict offloads by summoning with offload_to_cpu."""
+        if settings.kind is StateDictKind.FULL and not self.may_summon_offload():
+            return dataclasses.replace(settings, offload_to_cpu=False)
+        return settings
+
     def replica_counts(self) -> list[int]:
         counts = [r for r in range(1, self.world_size + 1) if self.world_size % r == 0]
         if not self.asks("HYBRID_ONE_RANK_SHARD_GROUP"):
@@ -236,6 +252,8 @@ class Target:
         ):
             kept = dataclasses.replace(precision, keep_low_precision_grads=False)
             setup = dataclasses.replace(setup, mixed_precision=kept)
+        if setup.forward_prefetch and not self.asks("FORWARD_PREFETCH_BACKWARD_ORDER"):
+            setup = dataclasses.replace(setup, forward_prefetch=False)
         if self._tied_low_precision(setup, net):
             precision = dataclasses.replace(setup.mixed_precision, keep_low_precision_grads=False)  # type: ignore[arg-type]
             setup = dataclasses.replace(setup, mixed_precision=precision)
@@ -357,8 +375,6 @@ class Normalised:
 
 
 def _unreadable_attribute(op: str, key: str, value: Any) -> tuple[str, Any]:
-    from fsdptest.conformance.observe import TensorView
-
     if key.startswith("attribute ") and isinstance(value, TensorView) and value.kind == "Tensor":
         if value.values is not None or value.dtype is not None:
             return key, value._replace(values=None, dtype=None)
@@ -379,16 +395,21 @@ def _torch_internal_warnings(op: str, key: str, value: Any) -> tuple[str, Any]:
     return key, (value if len(kept) == len(value) else kept)
 
 
-_TORCH_TYPO = "full_state_dict willbe returned."
+_TORCH_TYPOS = {
+    "full_state_dict willbe returned.": "full_state_dict will be returned.",
+    "may result in theunsharded parameters": "may result in the unsharded parameters",
+}
 
 
 def _warning_typo(op: str, key: str, value: Any) -> tuple[str, Any]:
-    if key != "warnings" or not any(_TORCH_TYPO in w[1] for w in value):
+    if key != "warnings" or not any(t in w[1] for w in value for t in _TORCH_TYPOS):
         return key, value
-    fixed = tuple(
-        (c, m.replace(_TORCH_TYPO, "full_state_dict will be returned.")) for c, m in value
-    )
-    return key, fixed
+    fixed = []
+    for category, text in value:
+        for typo, right in _TORCH_TYPOS.items():
+            text = text.replace(typo, right)
+        fixed.append((category, text))
+    return key, tuple(fixed)
 
 
 _OPTIMIZER_KEYS = ("to load", "optimizer state dict", "optimizer state", "rekeyed")
@@ -428,8 +449,6 @@ _TORCH_PADDING_VALUE = 42.0  # torch's _FLAT_PARAM_PADDING_VALUE
 
 def _padding_values(op: str, key: str, value: Any) -> tuple[str, Any]:
     """In a saved ``_flat_param``'s local shards, torch's padding value made zero."""
-    from fsdptest.conformance.observe import TensorView
-
     if key not in ("state dict", "full state dict"):
         return key, value
 
@@ -456,8 +475,6 @@ def _padding_values(op: str, key: str, value: Any) -> tuple[str, Any]:
 
 
 def _differs(a: Any, b: Any) -> bool:
-    from fsdptest.conformance.observe import EXACT, first_difference
-
     return first_difference(a, b, EXACT) is not None
 
 
@@ -489,10 +506,11 @@ NORMALISED: dict[str, Normalised] = {
             references=(TORCH, OURS),
         ),
         Normalised(
-            "NO_SHARD_LOAD_WARNING_TEXT",
-            "torch's load hooks of NO_SHARD units warn 'full_state_dict willbe returned.' (a "
-            "missing space, its save hooks have it), this project's FSDP warns the same text with "
-            "the space",
+            "TORCH_WARNING_TYPOS",
+            "two of torch's warnings miss a space where strings are joined: its NO_SHARD load "
+            "hooks' 'full_state_dict willbe returned.' (its save hooks have the space) and "
+            "summon_full_params(offload_to_cpu=True, rank0_only=False)'s 'may result in "
+            "theunsharded parameters'; this project's FSDP warns the same texts with the space",
             _warning_typo,
             references=(TORCH, OURS),
         ),
@@ -536,8 +554,6 @@ def _flat_parameter_name(op: str, key: str, value: Any) -> tuple[str, Any]:
 
 
 def _attribute_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
-    from fsdptest.conformance.observe import TensorView
-
     if key.startswith("attribute ") and not key.endswith(".grad"):
         if (
             isinstance(value, TensorView)
@@ -620,8 +636,6 @@ def _optim_collectives(op: str, key: str, value: Any) -> tuple[str, Any]:
 
 def _flat_param_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
     """A saved ``_flat_param`` (LOCAL_STATE_DICT) without its requires_grad."""
-    from fsdptest.conformance.observe import TensorView
-
     if key not in ("state dict", "full state dict"):
         return key, value
 
@@ -643,17 +657,18 @@ def _flat_param_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
 
 
 def _optim_use_dtensor(op: str, key: str, value: Any) -> tuple[str, Any]:
-    """``optim_state_dict_config._use_dtensor`` of the settings ``state_dict()`` reads."""
-    if key not in ("settings", "previous settings"):
+    """``_use_dtensor`` of the sharded configs in observed settings."""
+    if key not in ("settings", "previous settings", "settings after leaving"):
         return key, value
     fixed = _without_optim_use_dtensor(value)
     return key, (value if fixed == value else fixed)
 
 
 def _without_optim_use_dtensor(value: Any) -> Any:
-    """``value`` with every ``('_use_dtensor', x)`` inside a ShardedOptimStateDictConfig
-    observation made ``('_use_dtensor', None)``."""
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "ShardedOptimStateDictConfig":
+    """``value`` with every ``('_use_dtensor', x)`` inside a sharded (optimizer) state
+    dict config observation made ``('_use_dtensor', None)``."""
+    sharded = ("ShardedOptimStateDictConfig", "ShardedStateDictConfig")
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in sharded:
         return (value[0], tuple((f, None if f == "_use_dtensor" else v) for f, v in value[1]))
     if isinstance(value, tuple):
         return tuple(_without_optim_use_dtensor(v) for v in value)
@@ -710,9 +725,10 @@ PENDING: dict[str, Normalised] = {
             _flat_param_requires_grad,
         ),
         _pending(
-            "OPTIM_CONFIG_USE_DTENSOR_WITH_MESH",
+            "USE_DTENSOR_WITH_MESH",
             "with a device_mesh torch turns on _use_dtensor in the ShardedOptimStateDictConfig "
-            "that get_state_dict_type returns; ours leaves it False (C10)",
+            "that get_state_dict_type returns, and in the ShardedStateDictConfig once a sharded "
+            "state_dict() ran (its pre-hook sets it); ours leaves both False (C10)",
             _optim_use_dtensor,
         ),
         _pending(
@@ -743,11 +759,11 @@ PENDING_UNASKED: dict[str, Unasked] = {
             pending=True,
         ),
         Unasked(
-            "FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD",
-            "forward_prefetch=True, a forward under no_grad, then a forward and a backward: "
-            "ours issues a reduce-scatter before the next all-gather its BACKWARD_PRE prefetch "
-            "should issue first; torch all-gathers every unit before the first reduce-scatter "
-            "(C15)",
+            "FORWARD_PREFETCH_BACKWARD_ORDER",
+            "forward_prefetch=True: in a backward after two forwards (a no_grad forward and a "
+            "forward, or two synced microbatches), ours issues a reduce-scatter before an "
+            "all-gather torch issues first (torch all-gathers every unit before the first "
+            "reduce-scatter), also with backward_prefetch=None (C15)",
             _UNASKED_WITNESS,
             impls=(OURS,),
             pending=True,

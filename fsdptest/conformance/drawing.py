@@ -266,8 +266,6 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._free())
     @rule(no_grad=st.booleans())
     def forward(self, no_grad: bool) -> None:
-        if no_grad and self.setup.forward_prefetch:
-            no_grad = self.TARGET.asks("FORWARD_PREFETCH_AFTER_NO_GRAD_FORWARD")
         """A forward on its own (not inside a summon: torch's FSDP then all-gathers
         on some ranks only under ``rank0_only``, and gloo aborts)."""
         self._add(sc.Forward(no_grad=no_grad))
@@ -329,14 +327,18 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.net is not None and not self.pending)
     @rule(data=st.data())
     def set_state_dict_type(self, data: st.DataObject) -> None:
-        settings = data.draw(settings_strategy(self._kinds()), label="settings")
+        settings = self.TARGET.fit_settings(
+            data.draw(settings_strategy(self._kinds()), label="settings")
+        )
         self._add(sc.SetStateDictType(settings))
         self.settings = settings  # until an enclosing state_dict_type context restores its own
 
     @precondition(lambda self: self.net is not None and not self.pending)
     @rule(data=st.data())
     def enter_state_dict_type(self, data: st.DataObject) -> None:
-        settings = data.draw(settings_strategy(self._kinds()), label="settings")
+        settings = self.TARGET.fit_settings(
+            data.draw(settings_strategy(self._kinds()), label="settings")
+        )
         self._add(sc.EnterStateDictType(settings))
         self.contexts.append(("state_dict_type", self.settings))
         self.settings = settings
@@ -428,6 +430,7 @@ class ProgramMachine(RuleBasedStateMachine):
         rank0_only=st.booleans(),
         offload_to_cpu=st.booleans(),
         with_grads=st.booleans(),
+        edit=st.booleans(),
     )
     def enter_summon(
         self,
@@ -436,9 +439,11 @@ class ProgramMachine(RuleBasedStateMachine):
         rank0_only: bool,
         offload_to_cpu: bool,
         with_grads: bool,
+        edit: bool,
     ) -> None:
-        """Options torch documents as invalid are drawn rarely (rank0_only with
-        writeback raises; with_grads needs use_orig_params)."""
+        """Options torch documents as invalid are not drawn (rank0_only with
+        writeback raises; with_grads needs use_orig_params); ``edit`` edits the
+        summoned parameters at once."""
         writeback = writeback and not rank0_only
         offload_to_cpu = offload_to_cpu and self.TARGET.may_summon_offload()
         with_grads = with_grads and self.TARGET.may_summon_grads(self.setup)
@@ -452,6 +457,8 @@ class ProgramMachine(RuleBasedStateMachine):
             )
         )
         self.contexts.append(("summon", self.settings))
+        if edit:  # what writeback keeps of an edit
+            self._add(sc.EditParams())
 
     @precondition(lambda self: self.net is not None and not self.pending)
     @rule()

@@ -335,6 +335,8 @@ class Run:
         self._note("left", name)
         self._settings = settings
         context.__exit__(None, None, None)
+        if name == "state_dict_type":  # what persists after leaving the context
+            self._note("settings after leaving", self.api.FSDP.get_state_dict_type(self.model))
 
     def _enter(self, name: str, context: contextlib.AbstractContextManager[Any]) -> None:
         previous = self._settings
