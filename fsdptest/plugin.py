@@ -14,7 +14,10 @@ FSDP cannot run on CPU-only machines (except in tests marked
 ``replayed_example`` fixtures and the property tests their budget, without
 loading a hypothesis profile (see [Note: Budgets only for the property tests]
 in fsdptest.properties.search); hypothesis is imported only where a property
-test is collected or a profile of ours is asked for.
+test is collected or a profile of ours is asked for. For the differential
+conformance search (``fsdptest.conformance``) it adds ``--fsdp-reference`` and
+gives the ``conformance_search`` and ``replayed_scenario`` fixtures (imported
+where they are used, as the property search).
 
 The runner's hooks it implements are optional: with ``-p no:harness.plugin`` the
 runner and its hook specifications are gone, and this plugin still loads.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -44,11 +48,15 @@ from fsdptest.properties.examples import Example
 from harness._types import Placement
 
 if TYPE_CHECKING:
+    from fsdptest.conformance.scenario import Scenario
+    from fsdptest.conformance.search import ConformanceSearch, Tally
     from fsdptest.properties.search import PropertySearch
     from harness.rank_calls import RankCalls
 
 impl_key = pytest.StashKey[Implementation]()
-replay_key = pytest.StashKey[Example]()
+replay_key: pytest.StashKey[Example | Scenario] = pytest.StashKey()
+reference_key = pytest.StashKey[Implementation]()
+tally_key: pytest.StashKey[Tally] = pytest.StashKey()
 _OUR_PROFILES = ("ci", "deep")
 
 
@@ -61,6 +69,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="FSDP under test: this project's fsdp package (local), torch.distributed.fsdp "
         f"(torch), a name registered in the entry-point group {ENTRY_POINT_GROUP}, or the "
         "path of a module exposing the FSDP1 API (mypkg.fsdp). Default: local.",
+    )
+    group.addoption(
+        "--fsdp-reference",
+        default="torch",
+        metavar="NAME",
+        help="the FSDP the conformance search compares the one under test with (names as "
+        "--fsdp-impl). Default: torch.",
+    )
+    group.addoption(
+        "--conformance-scenarios",
+        type=int,
+        default=None,
+        metavar="N",
+        help="scenarios per world size of the conformance search, instead of the hypothesis "
+        "profile's (ci: 12, deep: 700).",
+    )
+    group.addoption(
+        "--conformance-stats",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per conformance scenario (how each run ended, what was "
+        "compared, which allowed differences applied) to PATH.",
+    )
+    group.addoption(
+        "--conformance-survey",
+        action="store_true",
+        help="run every scenario of the conformance search's budget without stopping at "
+        "the first failure (no shrinking); failures go to --conformance-stats with their "
+        "replay commands, and the test fails at the end if any scenario did.",
     )
     group.addoption(
         "--replay-example",
@@ -85,15 +122,21 @@ def pytest_configure(config: pytest.Config) -> None:
     hypothesis's own ``pytest_configure``, so that ``--hypothesis-profile ci`` or
     ``deep`` finds the profile registered (and nothing is loaded otherwise)."""
     name = config.getoption("fsdp_impl")
-    try:
-        config.stash[impl_key] = resolve(name)
-    except UnknownImplementation as error:
-        raise pytest.UsageError(str(error)) from None
+    for option, key in (("--fsdp-impl", impl_key), ("--fsdp-reference", reference_key)):
+        try:
+            config.stash[key] = resolve(config.getoption(option))
+        except UnknownImplementation as error:
+            raise pytest.UsageError(str(error).replace("--fsdp-impl", option, 1)) from None
     os.environ[IMPL_ENV] = name
     config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
     examples = config.getoption("property_examples")
     if examples is not None and examples < 1:
         raise pytest.UsageError(f"--property-examples needs at least 1 example, got {examples}")
+    scenarios = config.getoption("conformance_scenarios")
+    if scenarios is not None and scenarios < 1:
+        raise pytest.UsageError(
+            f"--conformance-scenarios needs at least 1 scenario, got {scenarios}"
+        )
     replay_id = config.getoption("replay_example")
     if replay_id is not None:
         config.stash[replay_key] = _replayed(replay_id)
@@ -103,19 +146,31 @@ def pytest_configure(config: pytest.Config) -> None:
         register_profiles(examples)
 
 
-def _replayed(replay_id: str) -> Example:
-    try:
-        return Example.from_replay_id(replay_id)
-    except Exception as error:  # base64, zlib, json or the example's own fields
-        raise pytest.UsageError(
-            f"--replay-example {replay_id!r} is not a replay id that a property failure "
-            f"printed ({type(error).__name__}: {error})"
-        ) from None
+def _replayed(replay_id: str) -> Example | Scenario:
+    """The property example or conformance scenario of ``replay_id``."""
+    from fsdptest.conformance.scenario import Scenario
+
+    errors = []
+    for kind in (Example, Scenario):
+        try:
+            return kind.from_replay_id(replay_id)
+        except Exception as error:  # base64, zlib, json or the value's own fields
+            errors.append(f"{type(error).__name__}: {error}")
+    raise pytest.UsageError(
+        f"--replay-example {replay_id!r} is not a replay id that a property or conformance "
+        f"failure printed ({'; '.join(errors)})"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     impl = config.stash[impl_key]
     return f"fsdp implementation: {impl.describe()} ({impl.origin})"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tally = terminalreporter.config.stash.get(tally_key, None)
+    if tally is not None and tally.scenarios:
+        terminalreporter.write_line(tally.summary())
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +183,50 @@ def property_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> Pr
     return PropertySearch(rank_calls, request.config.getoption("fsdp_impl"), replay_test)
 
 
+@pytest.fixture(scope="module")
+def conformance_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> ConformanceSearch:
+    """Runs conformance scenarios on pooled ranks (see fsdptest.conformance.search);
+    failures name ``test_replay_scenario`` of the requesting module for replay."""
+    from fsdptest.conformance.search import BUDGETS, ConformanceSearch, Tally
+    from fsdptest.properties.search import chosen_profile
+
+    config = request.config
+    profile = chosen_profile(config.getoption("hypothesis_profile", None))
+    budget = BUDGETS.get(profile, BUDGETS["ci"])._replace(profile=profile)
+    stats = config.getoption("conformance_stats")
+    if tally_key not in config.stash:
+        config.stash[tally_key] = Tally()
+    return ConformanceSearch(
+        rank_calls,
+        config.getoption("fsdp_impl"),
+        config.getoption("fsdp_reference"),
+        f"{request.node.nodeid}::test_replay_scenario",
+        budget._replace(scenarios=config.getoption("conformance_scenarios") or budget.scenarios),
+        config.stash[tally_key],
+        Path(stats) if stats else None,
+        survey=config.getoption("conformance_survey"),
+    )
+
+
+def _replay_of(request: pytest.FixtureRequest, kind: type, what: str) -> Any:
+    value = request.config.stash.get(replay_key, None)
+    if not isinstance(value, kind):
+        pytest.skip(f"no {what} to replay: pass --replay-example ID (a failure prints it)")
+    return value
+
+
 @pytest.fixture
 def replayed_example(request: pytest.FixtureRequest) -> Example:
     """The example of ``--replay-example``; skips without one."""
-    example = request.config.stash.get(replay_key, None)
-    if example is None:
-        pytest.skip("no example to replay: pass --replay-example ID (a property failure prints it)")
-    return example
+    return _replay_of(request, Example, "property example")
+
+
+@pytest.fixture
+def replayed_scenario(request: pytest.FixtureRequest) -> Scenario:
+    """The conformance scenario of ``--replay-example``; skips without one."""
+    from fsdptest.conformance.scenario import Scenario
+
+    return _replay_of(request, Scenario, "conformance scenario")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -158,14 +250,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
-    """A property test that sent no example to the ranks checked nothing: it fails."""
-    search = getattr(item, "funcargs", {}).get("property_search")
+    """A property (conformance) test that sent no example (scenario) to the
+    ranks checked nothing: it fails."""
+    funcargs = getattr(item, "funcargs", {})
+    search = funcargs.get("property_search")
     before = getattr(search, "checked", None)
+    conformance = funcargs.get("conformance_search")
+    scenarios = None if conformance is None else conformance.tally.scenarios
     result = yield
     if before is not None and search.checked == before:
         pytest.fail(
             "no example was checked: hypothesis ran the test, but no drawn example was "
             "sent to the ranks (does the body set every example aside?)",
+            pytrace=False,
+        )
+    if scenarios is not None and conformance.tally.scenarios == scenarios:
+        pytest.fail(
+            "no scenario was checked: the conformance test ran, but no scenario was sent "
+            "to the ranks",
             pytrace=False,
         )
     return result

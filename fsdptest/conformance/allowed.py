@@ -1,0 +1,847 @@
+"""Allowed differences: what the reference is not asked, and which observations
+may differ, each named, with its reason and the test that asserts it.
+
+[Note: Nothing is silently skipped]
+Three lists, each entry with a name, the implementations it applies to and a
+reason; ``suites/test_conformance_allowed.py`` asserts every entry, so that an
+entry whose reason no longer holds (torch fixed a defect, our FSDP fixed a
+divergence) fails there and must be removed:
+
+- ``UNASKED``: what the reference cannot do or does wrong in a way that breaks
+  the comparison itself (a raise on some ranks only hangs the others; a
+  defect pinned down in ``suites/test_property_findings.py``): the drawing
+  does not ask it (``Target``). Each entry's ``evidence`` names the test that
+  asserts the reference's behaviour.
+- ``NORMALISED``: observations that legitimately differ. Each is a rewrite of
+  one kind of observation applied to both traces before they are compared
+  (so the rest of the observation is still compared), and a count of how
+  often it changed something is part of every check's statistics.
+- ``PENDING``: divergences of this project's FSDP from torch's that the
+  search found and that are reported for fixing (``/work/notes`` is not part
+  of the project; the README's "Differential conformance" section lists
+  them). They are normalised like the above, for ``fsdp`` only, and their
+  test asserts that the divergence is still there: fixing it makes that test
+  fail until the entry is deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdptest.conformance.observe import EXACT, TensorView, first_difference
+from fsdptest.conformance.scenario import (
+    Block,
+    LayerKind,
+    Net,
+    Optimizer,
+    Settings,
+    Setup,
+    StateDictKind,
+)
+from fsdptest.implementations import BUILTIN_MODULES
+from fsdptest.properties.examples import Sharding
+
+TORCH = BUILTIN_MODULES["torch"]
+OURS = BUILTIN_MODULES["local"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unasked:
+    """What scenarios do not ask when the reference is one of ``references`` and
+    (``impls`` empty: any) the implementation under test one of ``impls``."""
+
+    name: str
+    reason: str
+    evidence: str  # the test asserting the behaviour
+    references: tuple[str, ...] = (TORCH,)
+    impls: tuple[str, ...] = ()
+    pending: bool = False  # a divergence of ours, reported for fixing
+
+    def applies(self, impl: str, reference: str) -> bool:
+        return reference in self.references and (not self.impls or impl in self.impls)
+
+
+def _entries(*entries: Unasked) -> dict[str, Unasked]:
+    return {entry.name: entry for entry in entries}
+
+
+UNASKED = _entries(
+    Unasked(
+        "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
+        "torch's FSDP cannot offload parameters on a CPU-only machine: it pins memory and "
+        "synchronises accelerator streams ('Cannot access accelerator device when none is "
+        "available'); no scenario on CPU ranks offloads when either side is torch's",
+        "suites/test_core.py (fsdptest.api.assert_torch_refuses_cpu_offload)",
+    ),
+    Unasked(
+        "SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR",
+        "summon_full_params(offload_to_cpu=True) on CPU ranks: torch raises 'setStorage: ... "
+        "out of bounds for storage of size 0' (on rank 0 only under rank0_only=True, so the "
+        "other ranks wait in the next collective), and so does a FULL_STATE_DICT with "
+        "FullStateDictConfig(offload_to_cpu=True), which summons so; no scenario on CPU ranks "
+        "summons or saves a full state dict with offload_to_cpu when either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_summon_offload_to_cpu_on_cpu_ranks",
+    ),
+    Unasked(
+        "SYNC_MODULE_STATES_WITHOUT_ACCELERATOR",
+        "sync_module_states=True on CPU ranks: torch raises 'The module has CPU parameters or "
+        "buffers when `sync_module_states=True`, which requires them to be on GPU' even with "
+        "device_id=cpu; no scenario on CPU ranks syncs module states when either side is "
+        "torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_sync_module_states_on_cpu_ranks",
+    ),
+    Unasked(
+        "HYBRID_ONE_RANK_SHARD_GROUP",
+        "hybrid sharding whose shard group is one rank: torch switches to NO_SHARD and "
+        "never reduces across the replicas",
+        "suites/test_hybrid_replicas.py",
+    ),
+    Unasked(
+        "ONE_ELEMENT_FLAT_PARAMETER",
+        "a one-element flat parameter (use_orig_params=False): torch mistakes a reduced "
+        "shard for an unsharded gradient on the next synced backward; 1x1 Linears get a bias",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
+        "test_one_element_flat_parameter_accumulates_across_synced_backwards",
+    ),
+    Unasked(
+        "TIED_LOW_PRECISION_GRADIENTS",
+        "a tied parameter with use_orig_params=True and low-precision gradients "
+        "(keep_low_precision_grads, or accumulated under no_sync with a param_dtype): torch "
+        "assigns param.grad = prim_param.grad, which torch 2.13 refuses for another dtype; such "
+        "scenarios keep full-precision gradients and have no no_sync windows",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
+        "test_tied_parameter_with_low_precision_gradients",
+    ),
+    Unasked(
+        "FROZEN_FIRST_UNIT_KEEPS_UNSHARDED",
+        "a unit whose parameters are all frozen and whose inputs need no gradient (frozen "
+        "layers first in a model of float features) under SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 "
+        "or NO_SHARD: torch reshards it from a hook that never fires; the first block with "
+        "parameters of such a model is trainable",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
+        "test_frozen_first_unit_is_resharded_after_backward",
+    ),
+    Unasked(
+        "CLIP_AFTER_INF_NORM_WITH_FROZEN",
+        "clip_grad_norm_ with use_orig_params=True and a frozen parameter: after an inf-norm "
+        "call torch's later 2-norm is too large; such scenarios clip with finite norms",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld3::"
+        "test_two_norm_after_an_inf_norm_clip_with_a_frozen_parameter",
+    ),
+    Unasked(
+        "LOCAL_STATE_DICT_LOAD_WITH_ORIG_PARAMS",
+        "loading a LOCAL_STATE_DICT with use_orig_params=True: torch saves '_flat_param' and "
+        "rejects it as an unexpected key when loading",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
+        "test_local_state_dict_with_use_orig_params",
+    ),
+    Unasked(
+        "LOCAL_STATE_DICT_OF_HYBRID_GROUPS",
+        "a LOCAL_STATE_DICT of hybrid units with more than one replica: torch takes shard-group "
+        "ranks for global ones and raises on the shard groups without rank 0 (the others "
+        "would wait for them)",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld4::"
+        "test_local_state_dict_of_hybrid_shard_groups",
+    ),
+    Unasked(
+        "OPTIM_STATE_DICT_ALIASES_STATES_WITH_ORIG_PARAMS",
+        "FSDP.optim_state_dict with use_orig_params=True (torch 2.13, CPU ranks, every sharded "
+        "strategy): each parameter's state tensors all hold the values of its last one "
+        "(Adam's exp_avg == exp_avg_sq); scenarios with use_orig_params=True use SGD, whose "
+        "one momentum buffer per parameter is saved right",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_optim_state_dict_aliases_states_with_orig_params",
+    ),
+    Unasked(
+        "NO_SYNC_GRADIENTS_OF_FROZEN_PARAMETERS",
+        "use_orig_params=True with a frozen parameter (requires_grad=False) in a unit: after a "
+        "backward under no_sync torch gives the frozen parameter a .grad (the unsharded "
+        "gradient's view; in the low precision under mixed precision), where it must stay None "
+        "(BUGS.md class 7); such scenarios have no no_sync windows",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_no_sync_gives_frozen_parameters_gradients",
+    ),
+    Unasked(
+        "SUMMONED_LOW_PRECISION_GRADIENTS",
+        "summon_full_params(with_grads=True) with keep_low_precision_grads: torch assigns the "
+        "low-precision gradient to the fp32 flat parameter and raises (or, with a frozen "
+        "parameter alone on a rank, gathers mismatched sizes and gloo aborts)",
+        "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
+        "test_summoned_low_precision_gradients",
+    ),
+)
+
+
+_ACCELERATOR_ONLY = (
+    "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
+    "SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR",
+    "SYNC_MODULE_STATES_WITHOUT_ACCELERATOR",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What scenarios for ``world_size`` ranks may ask of the two implementations
+    (their modules) on ``device_type`` ranks: the ``UNASKED`` entries that apply."""
+
+    impl: str  # the module of the implementation under test
+    reference: str  # the reference's module
+    device_type: str
+    world_size: int
+
+    def asks(self, name: str) -> bool:
+        """Whether the entry ``name`` of ``UNASKED`` does not apply here."""
+        if name in _ACCELERATOR_ONLY:
+            torch_side = TORCH in (self.impl, self.reference)
+            return not (torch_side and self.device_type == "cpu")
+        entry = UNASKED.get(name) or PENDING_UNASKED[name]
+        return not entry.applies(self.impl, self.reference)
+
+    def can_offload(self) -> bool:
+        return self.asks("CPU_OFFLOAD_WITHOUT_ACCELERATOR")
+
+    def may_sync_module_states(self) -> bool:
+        return self.asks("SYNC_MODULE_STATES_WITHOUT_ACCELERATOR")
+
+    def may_summon_offload(self) -> bool:
+        return self.asks("SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR")
+
+    def fit_settings(self, settings: Settings) -> Settings:
+        """A full state dict offloads by summoning with offload_to_cpu."""
+        if settings.kind is StateDictKind.FULL and not self.may_summon_offload():
+            return dataclasses.replace(settings, offload_to_cpu=False)
+        return settings
+
+    def replica_counts(self) -> list[int]:
+        counts = [r for r in range(1, self.world_size + 1) if self.world_size % r == 0]
+        if not self.asks("HYBRID_ONE_RANK_SHARD_GROUP"):
+            counts.remove(self.world_size)
+        return counts
+
+    def fit(self, setup: Setup, net: Net) -> tuple[Setup, Net]:
+        """The setup and model, changed where the reference is not asked."""
+        if not setup.use_orig_params and not self.asks("ONE_ELEMENT_FLAT_PARAMETER"):
+            net = _without_one_element_units(net)
+        keeps_unsharded = setup.sharding in (
+            Sharding.SHARD_GRAD_OP,
+            Sharding.HYBRID_SHARD_ZERO2,
+            Sharding.NO_SHARD,
+        )
+        if keeps_unsharded and not net.vocab and not self.asks("FROZEN_FIRST_UNIT_KEEPS_UNSHARDED"):
+            net = _first_block_trainable(net)
+        multi_state = setup.optimizer is not Optimizer.SGD
+        if (
+            setup.use_orig_params
+            and multi_state
+            and not self.asks("OPTIM_STATE_DICT_ALIASES_STATES_WITH_ORIG_PARAMS")
+        ):
+            setup = dataclasses.replace(setup, optimizer=Optimizer.SGD)
+        precision = setup.mixed_precision
+        if (
+            setup.sharding is Sharding.NO_SHARD
+            and precision is not None
+            and precision.keep_low_precision_grads
+            and precision.reduce_dtype not in (None, precision.param_dtype)
+            and not self.asks("NO_SHARD_LOW_PRECISION_GRADS_DTYPE")
+        ):
+            kept = dataclasses.replace(precision, keep_low_precision_grads=False)
+            setup = dataclasses.replace(setup, mixed_precision=kept)
+        if setup.forward_prefetch and not self.asks("FORWARD_PREFETCH_BACKWARD_ORDER"):
+            setup = dataclasses.replace(setup, forward_prefetch=False)
+        if self._tied_low_precision(setup, net):
+            precision = dataclasses.replace(setup.mixed_precision, keep_low_precision_grads=False)  # type: ignore[arg-type]
+            setup = dataclasses.replace(setup, mixed_precision=precision)
+        return setup, net
+
+    def _tied_low_precision(self, setup: Setup, net: Net) -> bool:
+        precision = setup.mixed_precision
+        low = precision is not None and (
+            precision.param_dtype is not None or precision.reduce_dtype is not None
+        )
+        return (
+            setup.use_orig_params
+            and low
+            and _has_ties(net)
+            and not self.asks("TIED_LOW_PRECISION_GRADIENTS")
+        )
+
+    def may_accumulate(self, setup: Setup, net: Net | None) -> bool:
+        """Whether the program may run backwards under ``no_sync``."""
+        if net is None:
+            return True
+        frozen = setup.use_orig_params and any(layer.frozen for layer in net.layers())
+        if frozen and not self.asks("NO_SYNC_GRADIENTS_OF_FROZEN_PARAMETERS"):
+            return False
+        return not self._tied_low_precision(setup, net)
+
+    def may_clip_inf(self, setup: Setup, net: Net | None) -> bool:
+        frozen = net is not None and any(layer.frozen for layer in net.layers())
+        return not (setup.use_orig_params and frozen) or self.asks(
+            "CLIP_AFTER_INF_NORM_WITH_FROZEN"
+        )
+
+    def state_dict_kinds(self, setup: Setup) -> list[StateDictKind]:
+        kinds = list(StateDictKind)
+        hybrid_groups = setup.sharding.is_hybrid() and setup.replicas > 1
+        if hybrid_groups and not self.asks("LOCAL_STATE_DICT_OF_HYBRID_GROUPS"):
+            kinds.remove(StateDictKind.LOCAL)
+        elif setup.mesh and not self.asks("LOCAL_STATE_DICT_SETTINGS_WITH_MESH"):
+            kinds.remove(StateDictKind.LOCAL)
+        return kinds
+
+    def may_load(self, setup: Setup, kind: StateDictKind) -> bool:
+        local_orig = kind is StateDictKind.LOCAL and setup.use_orig_params
+        return not local_orig or self.asks("LOCAL_STATE_DICT_LOAD_WITH_ORIG_PARAMS")
+
+    def may_summon_grads(self, setup: Setup) -> bool:
+        if not setup.use_orig_params:
+            return False  # with_grads needs use_orig_params in both: a documented refusal
+        precision = setup.mixed_precision
+        low_grads = precision is not None and precision.keep_low_precision_grads
+        return not low_grads or self.asks("SUMMONED_LOW_PRECISION_GRADIENTS")
+
+
+def _has_ties(net: Net) -> bool:
+    kinds = {layer.kind for layer in net.layers()}
+    return (net.vocab > 0 and net.tied_head) or LayerKind.TIED in kinds
+
+
+_LINEAR_KINDS = (LayerKind.LINEAR, LayerKind.CHECKPOINTED, LayerKind.SHARED, LayerKind.TIED)
+
+
+def _without_one_element_units(net: Net) -> Net:
+    def fix(block: Block, width: int) -> Block:
+        fixed = []
+        for layer in block.layers:
+            out = layer.out_width(width)
+            one_by_one = width == 1 and out == 1 and layer.kind in _LINEAR_KINDS
+            fixed.append(dataclasses.replace(layer, bias=True) if one_by_one else layer)
+            width = out
+        children = []
+        for child in block.children:
+            children.append(fix(child, width))
+            width = child.out_width(width)
+        return Block(tuple(fixed), tuple(children))
+
+    blocks, width = [], net.width
+    for block in net.blocks:
+        blocks.append(fix(block, width))
+        width = block.out_width(width)
+    return dataclasses.replace(net, blocks=tuple(blocks))
+
+
+def _first_block_trainable(net: Net) -> Net:
+    done = False
+
+    def visit(block: Block) -> Block:
+        nonlocal done
+        layers = block.layers
+        if not done and any(layer.has_params() for layer in layers):
+            layers = tuple(dataclasses.replace(layer, frozen=False) for layer in layers)
+            done = True
+        return Block(layers, tuple(visit(child) for child in block.children))
+
+    return dataclasses.replace(net, blocks=tuple(visit(block) for block in net.blocks))
+
+
+# -- observations that may differ ----------------------------------------------------------------
+
+Rewrite = Callable[[str, str, Any], tuple[str, Any]]
+"""(op, key, value) -> (key, value): ``op`` is the op's text ("construct" for the
+construction), ``key`` and ``value`` one observation of it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalised:
+    """A rewrite of observations (key, value) -> (key, value), applied to the
+    traces of the implementations it is for (see [Note: Nothing is silently
+    skipped])."""
+
+    name: str
+    reason: str
+    rewrite: Rewrite
+    references: tuple[str, ...] = (TORCH,)
+    impls: tuple[str, ...] = ()  # empty: any implementation under test
+    pending: bool = False  # a divergence of ours, reported for fixing
+
+    def applies(self, impl: str, reference: str) -> bool:
+        return reference in self.references and (not self.impls or impl in self.impls)
+
+
+def _unreadable_attribute(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key.startswith("attribute ") and isinstance(value, TensorView) and value.kind == "Tensor":
+        if value.values is not None or value.dtype is not None:
+            return key, value._replace(values=None, dtype=None)
+    return key, value
+
+
+_TORCH_INTERNAL_WARNINGS = (
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered with this ProcessGroup.",
+    "Please use DTensor instead and we are deprecating ShardedTensor.",
+)
+
+
+def _torch_internal_warnings(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key != "warnings":
+        return key, value
+    kept = tuple(w for w in value if not w[1].startswith(_TORCH_INTERNAL_WARNINGS))
+    return key, (value if len(kept) == len(value) else kept)
+
+
+_TORCH_TYPOS = {
+    "full_state_dict willbe returned.": "full_state_dict will be returned.",
+    "may result in theunsharded parameters": "may result in the unsharded parameters",
+}
+
+
+def _warning_typo(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key != "warnings" or not any(t in w[1] for w in value for t in _TORCH_TYPOS):
+        return key, value
+    fixed = []
+    for category, text in value:
+        for typo, right in _TORCH_TYPOS.items():
+            text = text.replace(typo, right)
+        fixed.append((category, text))
+    return key, tuple(fixed)
+
+
+_OPTIMIZER_KEYS = ("to load", "optimizer state dict", "optimizer state", "rekeyed")
+
+
+def _optimizer_state_order(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """Each parameter's state entries (exp_avg, exp_avg_sq, step) sorted by name."""
+    if key not in _OPTIMIZER_KEYS:
+        return key, value
+    fixed = [_sorted_param_states(v) for v in value]
+    return key, fixed if _differs_in_order(fixed, value) else value
+
+
+def _sorted_param_states(observed: Any) -> Any:
+    if not (isinstance(observed, tuple) and len(observed) == 2 and observed[0] == "dict"):
+        return observed
+    items = []
+    for name, entry in observed[1]:
+        if name == "state" and isinstance(entry, tuple) and entry and entry[0] == "dict":
+            entry = ("dict", tuple((p, _sorted_dict(s)) for p, s in entry[1]))
+        items.append((name, entry))
+    return ("dict", tuple(items))
+
+
+def _sorted_dict(observed: Any) -> Any:
+    if isinstance(observed, tuple) and len(observed) == 2 and observed[0] == "dict":
+        return ("dict", tuple(sorted(observed[1], key=lambda item: repr(item[0]))))
+    return observed
+
+
+def _differs_in_order(a: Any, b: Any) -> bool:
+    return [repr(type(x)) for x in a] != [repr(type(x)) for x in b] or _differs(a, b)
+
+
+_TORCH_PADDING_VALUE = 42.0  # torch's _FLAT_PARAM_PADDING_VALUE
+
+
+def _padding_values(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """In a saved ``_flat_param``'s local shards, torch's padding value made zero."""
+    if key not in ("state dict", "full state dict"):
+        return key, value
+
+    def zeroed(view: TensorView) -> TensorView:
+        values = view.values
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            return view
+        padding = values == _TORCH_PADDING_VALUE
+        return view._replace(values=values.masked_fill(padding, 0.0)) if padding.any() else view
+
+    def fix(item: Any) -> Any:
+        name, tensor = item
+        if (
+            isinstance(name, str)
+            and name.endswith("_flat_param")
+            and isinstance(tensor, TensorView)
+        ):
+            local = tuple((*shard[:3], zeroed(shard[3])) for shard in tensor.local)
+            return (name, tensor._replace(local=local))
+        return item
+
+    fixed = [(kind, tuple(fix(i) for i in items)) for kind, items in value]
+    return key, fixed if _differs(fixed, value) else value
+
+
+def _differs(a: Any, b: Any) -> bool:
+    return first_difference(a, b, EXACT) is not None
+
+
+NORMALISED: dict[str, Normalised] = {
+    entry.name: entry
+    for entry in (
+        Normalised(
+            "FLAT_VIEW_ATTRIBUTES_HAVE_NO_CONTRACT",
+            "with use_orig_params=False an original parameter's attribute on its module "
+            "(model.layer.weight, a plain tensor, not a Parameter) is defined only inside "
+            "forward, backward and summons; outside, torch leaves a view of whichever unsharded "
+            "copy it used last (freed storage, low precision after a mixed-precision forward; "
+            "reading it reads freed memory), this project's FSDP a full-precision placeholder "
+            "that raises when read, or a view that still holds data. Their values and dtype are "
+            "not compared; kind, shape, device and requires_grad are",
+            _unreadable_attribute,
+            references=(TORCH, OURS),
+        ),
+        Normalised(
+            "TORCH_INTERNAL_WARNINGS",
+            "warnings torch's own modules raise inside an FSDP call, about torch's internals: "
+            "its object collectives calling the deprecated `_get_pg_default_device` ('... will "
+            "be deprecated', 'Multiple backends are registered with this ProcessGroup ...'), "
+            "and ShardedTensor's constructor warning 'Please use DTensor instead ...' for every "
+            "ShardedTensor built, intermediate ones included; how many an implementation "
+            "triggers says how it is built, not what it does (the kinds of the returned values "
+            "are compared). Removed from both traces",
+            _torch_internal_warnings,
+            references=(TORCH, OURS),
+        ),
+        Normalised(
+            "TORCH_WARNING_TYPOS",
+            "two of torch's warnings miss a space where strings are joined: its NO_SHARD load "
+            "hooks' 'full_state_dict willbe returned.' (its save hooks have the space) and "
+            "summon_full_params(offload_to_cpu=True, rank0_only=False)'s 'may result in "
+            "theunsharded parameters'; this project's FSDP warns the same texts with the space",
+            _warning_typo,
+            references=(TORCH, OURS),
+        ),
+        Normalised(
+            "OPTIMIZER_STATE_ENTRY_ORDER",
+            "the order of one parameter's optimizer state entries (exp_avg, exp_avg_sq, step) "
+            "in optimizer state dicts: torch's conversions build them in another order than "
+            "the optimizer; Optimizer.load_state_dict reads them by name. Sorted by name in "
+            "both traces (the order of parameters and of state dict keys is compared)",
+            _optimizer_state_order,
+            references=(TORCH, OURS),
+        ),
+        Normalised(
+            "FLAT_PARAM_PADDING_VALUE",
+            "with use_orig_params=True a flat parameter pads between original parameters for "
+            "alignment; torch fills that padding with 42.0 (its _FLAT_PARAM_PADDING_VALUE, to "
+            "make it visible), this project's FSDP with zeros (a zeroed padding is one of the "
+            "properties the suites check, BUGS.md class 5); a LOCAL_STATE_DICT's _flat_param "
+            "shows it. Elements equal to 42.0 in a saved _flat_param are compared as 0",
+            _padding_values,
+            references=(TORCH, OURS),
+        ),
+    )
+}
+
+# -- divergences of ours, reported for fixing ------------------------------------------------------
+
+_WRAPPED = "_fsdp_wrapped_module"
+
+
+def _flat_parameter_name(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """``<unit>._flat_param`` -> ``<unit>._fsdp_wrapped_module._flat_param``."""
+    if not key.startswith("parameter "):
+        return key, value
+    name, _, rest = key[len("parameter ") :].partition(" ")
+    parts = name.split(".")
+    if parts[-1] != "_flat_param" or (len(parts) > 1 and parts[-2] == _WRAPPED):
+        return key, value
+    renamed = ".".join([*parts[:-1], _WRAPPED, "_flat_param"])
+    return f"parameter {renamed}" + (f" {rest}" if rest else ""), value
+
+
+def _attribute_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key.startswith("attribute ") and not key.endswith(".grad"):
+        if (
+            isinstance(value, TensorView)
+            and value.kind == "Tensor"
+            and value.requires_grad is not None
+        ):
+            return key, value._replace(requires_grad=None)
+    return key, value
+
+
+_DEPRECATIONS = (
+    "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+    "`DistributedDataParallel` instead.",
+    "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated.",
+)
+
+
+def _deprecation_warnings(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key != "warnings":
+        return key, value
+    kept = tuple(
+        w for w in value if not (w[0] == "FutureWarning" and w[1].startswith(_DEPRECATIONS))
+    )
+    return key, (value if len(kept) == len(value) else kept)
+
+
+_NO_SHARD_SAVES_FULL = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"
+
+
+def _no_shard_warning_once(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """Each run of this warning counted once."""
+    if key != "warnings":
+        return key, value
+    kept: list[Any] = []
+    for warning in value:
+        repeated = kept and kept[-1] == warning and warning[1].startswith(_NO_SHARD_SAVES_FULL)
+        if not repeated:
+            kept.append(warning)
+    return key, (value if len(kept) == len(value) else tuple(kept))
+
+
+def _with_grads_flag(op: str, key: str, value: Any) -> tuple[str, Any]:
+    if key != "collectives" or not (
+        op.startswith("enter summon_full_params") and "with_grads=True" in op
+    ):
+        return key, value
+    fixed = tuple(
+        c._replace(dtype="torch.int32")
+        if c.kind == "ALL_REDUCE" and c.input_numel == 1 and c.dtype == "torch.float32"
+        else c
+        for c in value
+    )
+    return key, (value if fixed == value else fixed)
+
+
+def _optim_collectives(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """In optimizer-state saves and loads: ours' object exchanges (broadcast or all-gather of an
+    int64 size, then uint8 bytes) and torch's one-element int32 all-reduce are dropped."""
+    if key != "collectives" or not op.startswith(("save optimizer state", "load optimizer state")):
+        return key, value
+    calls, kept, i = list(value), [], 0
+    while i < len(calls):
+        call = calls[i]
+        following = calls[i + 1] if i + 1 < len(calls) else None
+        if (
+            following is not None
+            and call.kind == following.kind
+            and call.dtype == "torch.int64"
+            and following.dtype == "torch.uint8"
+        ):
+            i += 2
+            continue
+        if not (
+            call.kind == "ALL_REDUCE" and call.dtype == "torch.int32" and call.input_numel == 1
+        ):
+            kept.append(call)
+        i += 1
+    return key, (value if len(kept) == len(calls) else tuple(kept))
+
+
+def _flat_param_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """A saved ``_flat_param`` (LOCAL_STATE_DICT) without its requires_grad."""
+    if key not in ("state dict", "full state dict"):
+        return key, value
+
+    def fix(item: Any) -> Any:
+        name, tensor = item
+        if (
+            isinstance(name, str)
+            and name.endswith("_flat_param")
+            and isinstance(tensor, TensorView)
+        ):
+            local = tuple(
+                (*shard[:3], shard[3]._replace(requires_grad=None)) for shard in tensor.local
+            )
+            return (name, tensor._replace(requires_grad=None, local=local))
+        return item
+
+    fixed = [(kind, tuple(fix(i) for i in items)) for kind, items in value]
+    return key, fixed if _differs(fixed, value) else value
+
+
+def _optim_use_dtensor(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """``_use_dtensor`` of the sharded configs in observed settings."""
+    if key not in ("settings", "previous settings", "settings after leaving"):
+        return key, value
+    fixed = _without_optim_use_dtensor(value)
+    return key, (value if fixed == value else fixed)
+
+
+def _without_optim_use_dtensor(value: Any) -> Any:
+    """``value`` with every ``('_use_dtensor', x)`` inside a sharded (optimizer) state
+    dict config observation made ``('_use_dtensor', None)``."""
+    sharded = ("ShardedOptimStateDictConfig", "ShardedStateDictConfig")
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in sharded:
+        return (value[0], tuple((f, None if f == "_use_dtensor" else v) for f, v in value[1]))
+    if isinstance(value, tuple):
+        return tuple(_without_optim_use_dtensor(v) for v in value)
+    if isinstance(value, list):
+        return [_without_optim_use_dtensor(v) for v in value]
+    return value
+
+
+def _pending(name: str, reason: str, rewrite: Rewrite) -> Normalised:
+    return Normalised(name, reason, rewrite, impls=(OURS,), pending=True)
+
+
+PENDING: dict[str, Normalised] = {
+    entry.name: entry
+    for entry in (
+        _pending(
+            "FLAT_PARAMETER_NAME",
+            "ours registers a unit's flat parameter on the FSDP wrapper (<unit>._flat_param), "
+            "torch on the wrapped module (<unit>._fsdp_wrapped_module._flat_param): "
+            "named_parameters() names differ (differences C1)",
+            _flat_parameter_name,
+        ),
+        _pending(
+            "ATTRIBUTE_REQUIRES_GRAD",
+            "with use_orig_params=False the original parameters' attributes are tensors with "
+            "requires_grad=False in ours, views with requires_grad=True in torch's (C2)",
+            _attribute_requires_grad,
+        ),
+        _pending(
+            "DEPRECATION_WARNINGS",
+            "torch warns FutureWarnings for NO_SHARD and for FSDP.state_dict_type / "
+            "set_state_dict_type; ours does not (C3)",
+            _deprecation_warnings,
+        ),
+        _pending(
+            "NO_SHARD_STATE_DICT_WARNING_COUNT",
+            "torch warns 'When using NO_SHARD ..., full_state_dict will be returned.' in both "
+            "the pre- and the post-hook of every state_dict() and load_state_dict() of a NO_SHARD "
+            "unit (twice per call and unit); ours once (C7)",
+            _no_shard_warning_once,
+        ),
+        _pending(
+            "OPTIM_STATE_DICT_COLLECTIVES",
+            "saving and loading optimizer state (optim_state_dict, full_optim_state_dict, "
+            "sharded_optim_state_dict, scatter_full_optim_state_dict, ...) exchanges pickled objects (an int64 size, then uint8 "
+            "bytes, broadcast or all-gathered) where torch issues none or one one-element int32 "
+            "all-reduce (C4, C8); the tensor collectives are compared",
+            _optim_collectives,
+        ),
+        _pending(
+            "LOCAL_FLAT_PARAM_REQUIRES_GRAD",
+            "the _flat_param ShardedTensor of a LOCAL_STATE_DICT has requires_grad=False in ours "
+            "(its local shard too), True in torch's (C9)",
+            _flat_param_requires_grad,
+        ),
+        _pending(
+            "USE_DTENSOR_WITH_MESH",
+            "with a device_mesh torch turns on _use_dtensor in the ShardedOptimStateDictConfig "
+            "that get_state_dict_type returns, and in the ShardedStateDictConfig once a sharded "
+            "state_dict() ran (its pre-hook sets it); ours leaves both False (C10)",
+            _optim_use_dtensor,
+        ),
+        _pending(
+            "WITH_GRADS_FLAG_DTYPE",
+            "summon_full_params(with_grads=True) all-reduces its one-element flag in float32, "
+            "torch in int32 (C5)",
+            _with_grads_flag,
+        ),
+    )
+}
+
+_UNASKED_WITNESS = (
+    "suites/test_conformance_allowed.py::TestAllowedDifferences::"
+    "test_unasked_divergence_is_still_there"
+)
+
+PENDING_UNASKED: dict[str, Unasked] = {
+    entry.name: entry
+    for entry in (
+        Unasked(
+            "LOCAL_STATE_DICT_SETTINGS_WITH_MESH",
+            "FSDP.get_state_dict_type(model) under LOCAL_STATE_DICT for units built with a "
+            "device_mesh: torch raises 'Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not "
+            "compatible with LOCAL_STATE_DICT. ...' (as state_dict() then does in both), ours "
+            "returns the settings (C17)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "FORWARD_PREFETCH_BACKWARD_ORDER",
+            "forward_prefetch=True: in a backward after two forwards (a no_grad forward and a "
+            "forward, or two synced microbatches), ours issues a reduce-scatter before an "
+            "all-gather torch issues first (torch all-gathers every unit before the first "
+            "reduce-scatter), also with backward_prefetch=None (C15)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "FSDP_MODULES_ROOT_ONLY_INITIALIZES",
+            "FSDP.fsdp_modules(model, root_only=True) before the first forward: torch runs its "
+            "lazy initialisation (buffers are cast to buffer_dtype, the roots are known), ours "
+            "does not (C16)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "APPLY_BEFORE_FIRST_FORWARD_WITH_BUFFER_DTYPE",
+            "FSDP.apply(fn) before the first forward with MixedPrecision(buffer_dtype=...): a "
+            "later state_dict() of ours saves the buffers in the low-precision dtype, torch's "
+            "in their own (C13, issue 19)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "NO_SHARD_LOW_PRECISION_GRADS_DTYPE",
+            "NO_SHARD with keep_low_precision_grads=True and a reduce_dtype other than the "
+            "param_dtype: ours leaves the gradient in param_dtype, torch in reduce_dtype (its "
+            "documented 'the dtype used for gradient reduction'; FULL_SHARD agrees) (C14)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "WRAP_AGAIN",
+            "FSDP(FSDP(m)): ours raises (AttributeError about _flat_param, or ValueError about "
+            "uniform requires_grad), torch wraps it (C6, issue 19)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "STATE_DICT_INSIDE_SUMMON",
+            "state_dict() inside summon_full_params: ours fails an internal assertion "
+            "(expected training state IDLE, got SUMMON_FULL_PARAMS), torch returns the full "
+            "state dict (C11, issue 19)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+        Unasked(
+            "SHARDED_OPTIM_STATE_WITH_MESH",
+            "sharded optimizer state dicts (sharded_optim_state_dict, optim_state_dict under "
+            "SHARDED_STATE_DICT) of units built with a device_mesh: torch's values are DTensors, "
+            "ours ShardedTensors (C12)",
+            _UNASKED_WITNESS,
+            impls=(OURS,),
+            pending=True,
+        ),
+    )
+}
+
+
+def normalisations(impl: str, reference: str) -> list[Normalised]:
+    """The entries of ``NORMALISED`` and ``PENDING`` for this pair."""
+    entries = [*NORMALISED.values(), *PENDING.values()]
+    return [e for e in entries if e.applies(impl, reference)]
+
+
+def normalise(
+    op: str, observed: dict[str, Any], entries: list[Normalised], counts: dict[str, int]
+) -> dict[str, Any]:
+    """``observed`` (of the op ``op``) rewritten by every entry (in order);
+    ``counts`` gets +1 per entry and observation it changed."""
+    result: dict[str, Any] = {}
+    for key, value in observed.items():
+        for entry in entries:
+            new_key, new_value = entry.rewrite(op, key, value)
+            if new_key != key or new_value is not value:
+                counts[entry.name] = counts.get(entry.name, 0) + 1
+                key, value = new_key, new_value
+        result[key] = value
+    return result

@@ -1,0 +1,534 @@
+"""Hypothesis draws conformance scenarios (pytest-process side).
+
+[Note: Programs are drawn by a rule-based state machine]
+A scenario's model and constructor arguments are drawn by strategies (the
+property search's, extended: ``fsdptest.properties.strategies``), its program
+by ``ProgramMachine``, a hypothesis ``RuleBasedStateMachine``: each rule
+appends one API call (or, ``train_step``, the calls of one optimizer step) to
+the program, and its precondition reads an abstract state the rules keep
+(whether a forward waits for its backward, which contexts are open, the
+state-dict settings in effect, what was saved under which settings, whether a
+communication hook is registered or the lazy initialisation ran). So every
+drawn program is one a user could write (misuses are rules of their own), and
+shrinking deletes calls and simplifies their arguments without ever producing
+a program the preconditions rule out: a load whose save was deleted is
+deleted too, or re-drawn against another save.
+
+The machine does not call FSDP. Its teardown closes the contexts left open,
+appends the closing observation (``Final``) and hands the finished scenario to
+the search, which runs it as ONE call of the pooled ranks: a rank call cannot
+keep a process group, a model or a collective open between calls, and a
+program whose calls ran in separate rank calls could not be replayed from its
+id. A failure raised there is an ordinary failing example to hypothesis, which
+shrinks the program step by step on the pool. The alternative, a generator of
+op lists written here with the same bookkeeping inside an ``@st.composite``,
+would need its own shrinking-aware validity checks; the state machine gives
+preconditions, bundles of saved objects and step deletion for free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from fsdptest.conformance import scenario as sc
+from fsdptest.conformance.allowed import Target
+from fsdptest.properties.examples import Prefetch, Sharding, Wrap
+from fsdptest.properties.strategies import precisions
+
+SIZES = (1, 2, 3, 5, 7, 11)
+VOCABS = (0, 2, 3, 5, 7)
+MAX_BLOCKS, MAX_LAYERS, MAX_DEPTH = 3, 3, 2
+
+# -- models and constructor arguments ----------------------------------------------------------
+
+
+@st.composite
+def setups(draw: st.DrawFn, target: Target) -> sc.Setup:
+    sharding = draw(st.sampled_from(list(Sharding)))
+    replicas = draw(st.sampled_from(target.replica_counts())) if sharding.is_hybrid() else 1
+    wrap = draw(st.sampled_from(list(Wrap)))
+    precision = draw(st.none() | precisions())
+    sync = target.may_sync_module_states() and draw(st.booleans())
+    return sc.Setup(
+        sharding=sharding,
+        replicas=replicas,
+        mesh=draw(st.booleans()),
+        use_orig_params=draw(st.booleans()),
+        mixed_precision=precision,
+        offload_params=draw(st.booleans()) if target.can_offload() else False,
+        backward_prefetch=draw(st.sampled_from(list(Prefetch))),
+        forward_prefetch=draw(st.booleans()),
+        limit_all_gathers=draw(st.booleans().map(lambda b: not b)),
+        wrap=wrap,
+        min_num_params=draw(st.integers(1, 200)) if wrap is Wrap.SIZE else 0,
+        init=draw(st.sampled_from(list(sc.Init))),
+        sync_module_states=sync,
+        rank_seeded=sync and draw(st.booleans()),
+        optimizer=draw(st.sampled_from(list(sc.Optimizer))),
+    )
+
+
+def _frozen_layers(setup: sc.Setup) -> bool:
+    return setup.use_orig_params
+
+
+def _frozen_blocks(setup: sc.Setup) -> bool:
+    """Whole blocks may be frozen when each is a unit of its own (a flat
+    parameter must not mix frozen and trainable parameters)."""
+    return not setup.use_orig_params and setup.wrap is Wrap.BLOCKS
+
+
+@st.composite
+def layers(draw: st.DrawFn, setup: sc.Setup, frozen_block: bool) -> sc.Layer:
+    kind = draw(st.sampled_from(list(sc.LayerKind)))
+    frozen = frozen_block or (_frozen_layers(setup) and draw(st.booleans()))
+    changes_width = kind in (sc.LayerKind.LINEAR, sc.LayerKind.CHECKPOINTED)
+    has_buffers = kind in (sc.LayerKind.SCALE, sc.LayerKind.COUNTER)
+    return sc.Layer(
+        kind=kind,
+        width=draw(st.sampled_from(SIZES)) if changes_width else 0,
+        bias=draw(st.booleans().map(lambda b: not b)),
+        frozen=frozen and not has_buffers,
+        persistent=draw(st.booleans().map(lambda b: not b)) if has_buffers else True,
+    )
+
+
+@st.composite
+def blocks(draw: st.DrawFn, setup: sc.Setup, depth: int) -> sc.Block:
+    frozen = _frozen_blocks(setup) and draw(st.booleans())
+    drawn = draw(st.lists(layers(setup, frozen), min_size=1, max_size=MAX_LAYERS))
+    children: list[sc.Block] = []
+    if depth < MAX_DEPTH:
+        children = draw(st.lists(blocks(setup, depth + 1), max_size=2))
+    return sc.Block(tuple(drawn), tuple(children))
+
+
+@st.composite
+def nets(draw: st.DrawFn, setup: sc.Setup) -> sc.Net:
+    vocab = draw(st.sampled_from(VOCABS))
+    net = sc.Net(
+        vocab=vocab,
+        width=draw(st.sampled_from(SIZES)),
+        blocks=tuple(draw(st.lists(blocks(setup, 1), min_size=1, max_size=MAX_BLOCKS))),
+        tied_head=bool(vocab) and draw(st.booleans()),
+        outputs=draw(st.sampled_from(SIZES)),
+        batch=draw(st.integers(1, 3)),
+        seq=draw(st.integers(1, 2)),
+    )
+    if any(layer.kind is sc.LayerKind.BATCHNORM for layer in net.layers()):
+        net = dataclasses.replace(net, batch=max(net.batch, 2))  # batch statistics need two rows
+    return net
+
+
+def _fit_inputs(setup: sc.Setup, net: sc.Net) -> sc.Setup:
+    """Float features reach a low-precision first layer only when some unit casts
+    them (integer tokens are never cast)."""
+    precision = setup.mixed_precision
+    if net.vocab or precision is None or precision.param_dtype is None:
+        return setup
+    if precision.cast_root_forward_inputs or precision.cast_forward_inputs:
+        return setup
+    fitted = dataclasses.replace(precision, cast_root_forward_inputs=True)
+    return dataclasses.replace(setup, mixed_precision=fitted)
+
+
+@st.composite
+def ignored(draw: st.DrawFn, setup: sc.Setup, net: sc.Net) -> sc.Setup:
+    """Ignored top-level blocks, in full precision only: an ignored module runs in
+    its own dtype, so mixed precision would feed it low-precision inputs."""
+    if setup.mixed_precision is not None or setup.init is sc.Init.META:
+        return setup
+    indices = list(range(len(net.blocks)))
+    chosen = draw(st.lists(st.sampled_from(indices), unique=True, max_size=len(indices)))
+    return dataclasses.replace(
+        setup,
+        ignored_blocks=tuple(sorted(chosen)),
+        ignored_as_states=bool(chosen) and draw(st.booleans()),
+    )
+
+
+# -- the program -------------------------------------------------------------------------------
+
+NORMS = (2.0, 1.0, float("inf"))
+MAX_NORMS = (0.05, 1000.0)
+
+
+def settings_strategy(kinds: list[sc.StateDictKind]) -> st.SearchStrategy[sc.Settings]:
+    return st.builds(
+        sc.Settings,
+        kind=st.sampled_from(kinds),
+        configs=st.booleans(),
+        offload_to_cpu=st.booleans(),
+        rank0_only=st.booleans(),
+        dtensor=st.booleans(),
+        optim_offload=st.booleans().map(lambda b: not b),
+        optim_rank0_only=st.booleans(),
+    )
+
+
+@dataclasses.dataclass
+class Saved:
+    """A state dict the program saved: the settings in effect then."""
+
+    settings: sc.Settings
+
+
+@dataclasses.dataclass
+class SavedOptim:
+    api: sc.OptimApi
+    settings: sc.Settings  # in effect when saved
+    rank0_only: bool  # only rank 0 holds it
+
+
+class ProgramMachine(RuleBasedStateMachine):
+    """Draws a scenario and checks it (see [Note: Programs are drawn by a
+    rule-based state machine]). A subclass made by ``machine_for`` sets the
+    target and the check."""
+
+    TARGET: Target
+    CHECK: Callable[[sc.Scenario], None]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: sc.Net | None = None
+        self.setup = sc.Setup()
+        self.seed = 0
+        self.ops: list[sc.Op] = []
+        self.pending = False  # a forward waits for its backward
+        self.inited = False  # a forward ran (FSDP's lazy initialisation)
+        self.contexts: list[tuple[str, sc.Settings]] = []  # open contexts, innermost last
+        self.settings = sc.Settings(configs=False)
+        self.saved: list[Saved] = []
+        self.saved_optim: list[SavedOptim] = []
+        self.hooked = False
+
+    # -- the scenario's model and arguments ------------------------------------------------
+
+    @initialize(data=st.data())
+    def choose_model(self, data: st.DataObject) -> None:
+        target = self.TARGET
+        setup = data.draw(setups(target), label="setup")
+        net = data.draw(nets(setup), label="net")
+        setup = _fit_inputs(setup, net)
+        setup = data.draw(ignored(setup, net), label="ignored")
+        self.setup, self.net = target.fit(setup, net)
+        self.seed = data.draw(st.integers(0, 2**16), label="seed")
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _in(self, name: str) -> bool:
+        return any(kind == name for kind, _ in self.contexts)
+
+    def _free(self) -> bool:
+        """No forward waits for its backward and no summon is open."""
+        return self.net is not None and not self.pending and not self._in("summon")
+
+    def _add(self, *ops: sc.Op) -> None:
+        self.ops.extend(ops)
+
+    # -- training ------------------------------------------------------------------------------
+
+    @precondition(lambda self: self._free())
+    @rule(
+        microbatches=st.lists(st.booleans(), min_size=1, max_size=3),
+        set_to_none=st.booleans().map(lambda b: not b),
+        clip=st.none() | st.tuples(st.sampled_from(MAX_NORMS), st.sampled_from(NORMS)),
+    )
+    def train_step(
+        self, microbatches: list[bool], set_to_none: bool, clip: tuple[float, float] | None
+    ) -> None:
+        """``zero_grad``, forward and backward per microbatch (``True``: under
+        ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``."""
+        self._add(sc.ZeroGrad(set_to_none=set_to_none))
+        may_no_sync = self.TARGET.may_accumulate(self.setup, self.net) and not self._in("no_sync")
+        for i, no_sync in enumerate(microbatches):
+            windowed = may_no_sync and no_sync and i < len(microbatches) - 1
+            if windowed:
+                self._add(sc.EnterNoSync())
+            self._add(sc.Forward(), sc.Backward())
+            if windowed:
+                self._add(sc.Exit())
+        self.inited = True
+        if clip is not None:
+            self._clip(*clip)
+        self._add(sc.OptimStep())
+
+    def _clip(self, max_norm: float, norm_type: float) -> None:
+        if norm_type == float("inf") and not self.TARGET.may_clip_inf(self.setup, self.net):
+            norm_type = 2.0
+        self._add(sc.ClipGradNorm(max_norm, norm_type))
+
+    @precondition(lambda self: self._free())
+    @rule(no_grad=st.booleans())
+    def forward(self, no_grad: bool) -> None:
+        """A forward on its own (not inside a summon: torch's FSDP then all-gathers
+        on some ranks only under ``rank0_only``, and gloo aborts)."""
+        self._add(sc.Forward(no_grad=no_grad))
+        self.pending = not no_grad
+        self.inited = True
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def backward(self) -> None:
+        self._add(sc.Backward())
+        self.pending = False
+
+    @precondition(lambda self: self._free())
+    @rule()
+    def optim_step(self) -> None:
+        self._add(sc.OptimStep())
+
+    @precondition(lambda self: self.net is not None and not self._in("summon"))
+    @rule(set_to_none=st.booleans(), on_model=st.booleans())
+    def zero_grad(self, set_to_none: bool, on_model: bool) -> None:
+        self._add(sc.ZeroGrad(set_to_none=set_to_none, on_model=on_model))
+
+    @precondition(lambda self: self.net is not None and not self._in("summon"))
+    @rule(mode=st.booleans())
+    def train(self, mode: bool) -> None:
+        self._add(sc.Train(mode=mode))
+
+    @precondition(
+        lambda self: (
+            self._free()
+            and not self._in("no_sync")
+            and self.TARGET.may_accumulate(self.setup, self.net)
+        )
+    )
+    @rule()
+    def enter_no_sync(self) -> None:
+        self._add(sc.EnterNoSync())
+        self.contexts.append(("no_sync", self.settings))
+
+    @precondition(lambda self: bool(self.contexts) and not self.pending)
+    @rule()
+    def exit(self) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
+        _, self.settings = self.contexts.pop()
+        self._add(sc.Exit())
+
+    @precondition(lambda self: self._free())
+    @rule(max_norm=st.sampled_from(MAX_NORMS), norm_type=st.sampled_from(NORMS))
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> None:
+        self._clip(max_norm, norm_type)
+
+    # -- state dicts ---------------------------------------------------------------------------
+
+    def _kinds(self) -> list[sc.StateDictKind]:
+        return self.TARGET.state_dict_kinds(self.setup)
+
+    @precondition(lambda self: self.net is not None and not self.pending)
+    @rule(data=st.data())
+    def set_state_dict_type(self, data: st.DataObject) -> None:
+        settings = self.TARGET.fit_settings(
+            data.draw(settings_strategy(self._kinds()), label="settings")
+        )
+        self._add(sc.SetStateDictType(settings))
+        self.settings = settings  # until an enclosing state_dict_type context restores its own
+
+    @precondition(lambda self: self.net is not None and not self.pending)
+    @rule(data=st.data())
+    def enter_state_dict_type(self, data: st.DataObject) -> None:
+        settings = self.TARGET.fit_settings(
+            data.draw(settings_strategy(self._kinds()), label="settings")
+        )
+        self._add(sc.EnterStateDictType(settings))
+        self.contexts.append(("state_dict_type", self.settings))
+        self.settings = settings
+
+    @precondition(lambda self: self._free())
+    @rule()
+    def save_state_dict(self) -> None:
+        self._add(sc.SaveStateDict())
+        self.saved.append(Saved(self.settings))
+
+    def _loadable(self) -> list[int]:
+        """Slots saved under the kind in effect, by every rank."""
+        return [
+            i
+            for i, saved in enumerate(self.saved)
+            if saved.settings.kind is self.settings.kind
+            and not (saved.settings.kind is sc.StateDictKind.FULL and saved.settings.rank0_only)
+            and self.TARGET.may_load(self.setup, saved.settings.kind)
+        ]
+
+    @precondition(lambda self: self._free() and bool(self._loadable()))
+    @rule(
+        data=st.data(),
+        strict=st.booleans().map(lambda b: not b),
+        edit=st.sampled_from(list(sc.LoadEdit)),
+    )
+    def load_state_dict(self, data: st.DataObject, strict: bool, edit: sc.LoadEdit) -> None:
+        slot = data.draw(st.sampled_from(self._loadable()), label="slot")
+        self._add(sc.LoadStateDict(slot=slot, strict=strict, edit=edit))
+
+    # -- optimizer state dicts --------------------------------------------------------------------
+
+    @precondition(lambda self: self._free())
+    @rule(api=st.sampled_from(list(sc.OptimApi)))
+    def save_optim_state(self, api: sc.OptimApi) -> None:
+        settings = self.settings
+        if api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.LOCAL:
+            api = sc.OptimApi.FULL
+        sharded = api is sc.OptimApi.SHARDED or (
+            api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.SHARDED
+        )
+        if sharded and self.setup.mesh and not self.TARGET.asks("SHARDED_OPTIM_STATE_WITH_MESH"):
+            api = sc.OptimApi.FULL
+        rank0_only = api is sc.OptimApi.FULL or (
+            api is sc.OptimApi.OPTIM_STATE_DICT
+            and settings.kind is sc.StateDictKind.FULL
+            and settings.configs
+            and settings.optim_rank0_only
+        )
+        self._add(sc.SaveOptimState(api=api))
+        self.saved_optim.append(SavedOptim(api, settings, rank0_only))
+
+    def _optim_loadable(self) -> list[int]:
+        slots = []
+        for i, saved in enumerate(self.saved_optim):
+            if saved.api is not sc.OptimApi.OPTIM_STATE_DICT:
+                slots.append(i)
+            elif saved.settings.kind is self.settings.kind and not saved.rank0_only:
+                slots.append(i)
+        return slots
+
+    @precondition(lambda self: self._free() and bool(self._optim_loadable()))
+    @rule(data=st.data(), scatter=st.booleans())
+    def load_optim_state(self, data: st.DataObject, scatter: bool) -> None:
+        slot = data.draw(st.sampled_from(self._optim_loadable()), label="slot")
+        self._add(sc.LoadOptimState(slot=slot, scatter=scatter))
+
+    def _rekeyable(self) -> list[int]:
+        return [
+            i
+            for i, saved in enumerate(self.saved_optim)
+            if not saved.rank0_only
+            and (saved.api is not sc.OptimApi.SHARDED)
+            and (saved.api is sc.OptimApi.FULL or saved.settings.kind is sc.StateDictKind.FULL)
+        ]
+
+    @precondition(lambda self: self._free() and bool(self._rekeyable()))
+    @rule(data=st.data())
+    def rekey_optim_state(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(self._rekeyable()), label="slot")
+        self._add(sc.RekeyOptimState(slot=slot))
+
+    # -- summon, apply, hooks, misuse ----------------------------------------------------------------
+
+    @precondition(lambda self: self._free())
+    @rule(
+        recurse=st.booleans().map(lambda b: not b),
+        writeback=st.booleans().map(lambda b: not b),
+        rank0_only=st.booleans(),
+        offload_to_cpu=st.booleans(),
+        with_grads=st.booleans(),
+        edit=st.booleans(),
+    )
+    def enter_summon(
+        self,
+        recurse: bool,
+        writeback: bool,
+        rank0_only: bool,
+        offload_to_cpu: bool,
+        with_grads: bool,
+        edit: bool,
+    ) -> None:
+        """Options torch documents as invalid are not drawn (rank0_only with
+        writeback raises; with_grads needs use_orig_params); ``edit`` edits the
+        summoned parameters at once."""
+        writeback = writeback and not rank0_only
+        offload_to_cpu = offload_to_cpu and self.TARGET.may_summon_offload()
+        with_grads = with_grads and self.TARGET.may_summon_grads(self.setup)
+        self._add(
+            sc.EnterSummon(
+                recurse=recurse,
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                with_grads=with_grads,
+            )
+        )
+        self.contexts.append(("summon", self.settings))
+        if edit:  # what writeback keeps of an edit
+            self._add(sc.EditParams())
+
+    @precondition(lambda self: self.net is not None and not self.pending)
+    @rule()
+    def edit_parameters(self) -> None:
+        self._add(sc.EditParams())
+
+    @precondition(lambda self: self._free() and self._may_apply())
+    @rule(fn=st.sampled_from(list(sc.ApplyFn)))
+    def apply(self, fn: sc.ApplyFn) -> None:
+        self._add(sc.Apply(fn=fn))
+
+    def _may_apply(self) -> bool:
+        precision = self.setup.mixed_precision
+        buffer_dtype = precision is not None and precision.buffer_dtype is not None
+        return (
+            self.inited
+            or not buffer_dtype
+            or self.TARGET.asks("APPLY_BEFORE_FIRST_FORWARD_WITH_BUFFER_DTYPE")
+        )
+
+    @precondition(lambda self: self.net is not None and not self.inited and not self.hooked)
+    @rule(kind=st.sampled_from(list(sc.HookKind)))
+    def register_comm_hook(self, kind: sc.HookKind) -> None:
+        self._add(sc.RegisterCommHook(kind=kind))
+        self.hooked = True
+
+    @precondition(lambda self: self.net is not None)
+    @rule(root_only=st.booleans())
+    def fsdp_modules(self, root_only: bool) -> None:
+        if root_only and not self.inited:
+            root_only = self.TARGET.asks("FSDP_MODULES_ROOT_ONLY_INITIALIZES")
+        self._add(sc.FsdpModules(root_only=root_only))
+
+    @precondition(lambda self: self.net is not None and not self.pending)
+    @rule(misuse=st.sampled_from(["state_dict inside summon", "wrap the root again"]))
+    def misuse(self, misuse: str) -> None:
+        """One rule for every misuse, so that programs hold few: ``state_dict()``
+        inside ``summon_full_params``; ``FSDP(model)`` of the FSDP root before its
+        first forward (after it, every later call of torch's FSDP fails its
+        root check)."""
+        if misuse == "state_dict inside summon" and self._may_save_inside_summon():
+            self._add(sc.SaveStateDict())
+            self.saved.append(Saved(self.settings))
+        elif misuse == "wrap the root again" and self._may_wrap_again():
+            self._add(sc.WrapAgain())
+
+    def _may_save_inside_summon(self) -> bool:
+        return self._in("summon") and self.TARGET.asks("STATE_DICT_INSIDE_SUMMON")
+
+    def _may_wrap_again(self) -> bool:
+        return not self.inited and not self.contexts and self.TARGET.asks("WRAP_AGAIN")
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def scenario(self) -> sc.Scenario:
+        """The program drawn so far, its contexts closed, with the closing observation."""
+        ops = list(self.ops)
+        if self.pending:
+            ops.append(sc.Backward())
+        ops.extend(sc.Exit() for _ in self.contexts)
+        ops.append(sc.Final())
+        assert self.net is not None
+        return sc.Scenario(self.TARGET.world_size, self.net, self.setup, tuple(ops), self.seed)
+
+    def teardown(self) -> None:
+        if self.net is not None:
+            type(self).CHECK(self.scenario())
+
+
+def machine_for(target: Target, check: Callable[[sc.Scenario], None]) -> type[ProgramMachine]:
+    """A ``ProgramMachine`` that draws for ``target`` and hands each scenario to ``check``."""
+    attributes: dict[str, Any] = {"TARGET": target, "CHECK": staticmethod(check)}
+    return type(f"ConformanceProgramWorld{target.world_size}", (ProgramMachine,), attributes)

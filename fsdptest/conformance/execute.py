@@ -1,0 +1,515 @@
+"""One scenario run by one implementation on one rank, observed (rank side).
+
+[Note: What a run observes]
+A run builds the scenario's model from its seed, registers forward hooks on
+every module of it (before wrapping, so the hooks see what each module's own
+forward receives and returns, after FSDP's casts), wraps it with the
+scenario's constructor arguments and runs the program one op at a time. For
+the construction and for every op it records:
+
+- what the call returned, observed (``fsdptest.conformance.observe``): the
+  loss and the output of a forward, the total norm of ``clip_grad_norm_``, the
+  state dict and the settings in effect for ``state_dict()``, the missing and
+  unexpected keys of ``load_state_dict``, optimizer state dicts (saved,
+  converted for loading, and the optimizer's own after loading), the answer of
+  ``fsdp_modules``, the previous settings ``set_state_dict_type`` returns;
+- the inputs and outputs of every module's forward (dtype, device, shape,
+  values), what a registered communication hook is handed, which modules
+  ``param_init_fn`` is called on;
+- every collective, every warning and the exception, if one was raised;
+- then a snapshot that no call changes: ``named_parameters()`` and their
+  ``.grad``, ``named_buffers()``, the attributes the original modules hold
+  under their parameters' names (what ``model.layer.weight`` gives a user)
+  and their ``.grad``, and whether each state dict and optimizer state dict
+  saved earlier has changed since it was returned.
+
+An op that raises ends the run: the exception is the last observation (its
+type and message), the open contexts are closed, and the other implementation
+must stop at the same op with the same exception. A rank's two runs share
+nothing but the seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdptest.conformance import scenario as sc
+from fsdptest.conformance.implementation import FsdpApi
+from fsdptest.conformance.nets import batch, build, materialize
+from fsdptest.conformance.observe import EXACT, Collectives, Observer, catching, first_difference
+
+LR = 1e-2
+ADAM_EPS = 1e-3  # a large epsilon: near-zero gradients do not turn into whole steps
+EDIT_SCALE, EDIT_SHIFT = 0.75, 0.01
+
+
+class OpRecord(NamedTuple):
+    index: int  # -1: the construction
+    op: str
+    observed: dict[str, Any]
+
+
+class Trace(NamedTuple):
+    implementation: str
+    records: tuple[OpRecord, ...]
+    ended: str  # "completed" or "stopped at op N by ExceptionType"
+
+
+class HookState:
+    """The state handed to ``register_comm_hook``: the group to reduce over."""
+
+    def __init__(self, group: Any) -> None:
+        self.process_group = group
+
+
+class Run:
+    """The scenario under one implementation on this rank (see the module note)."""
+
+    scenario: sc.Scenario
+    api: FsdpApi
+    rank: int
+    device: torch.device
+    observe: Observer
+    model: Any
+    optim: torch.optim.Optimizer | None
+    loss: torch.Tensor | None
+
+    def __init__(self, scenario: sc.Scenario, api: FsdpApi, device: torch.device) -> None:
+        self.scenario = scenario
+        self.api = api
+        self.rank = dist.get_rank()
+        self.device = device
+        self.observe = Observer(device)
+        self.model = None
+        self.optim = None
+        self.loss = None
+        self._records: list[OpRecord] = []
+        self._current: dict[str, Any] = {}
+        # (name, context, the state-dict settings to restore on leaving it)
+        self._contexts: list[tuple[str, contextlib.AbstractContextManager[Any], sc.Settings]] = []
+        self._saved: list[tuple[Any, Any]] = []  # (state dict, its observation when saved)
+        self._saved_optim: list[tuple[Any, Any, sc.Settings | None, sc.OptimApi, bool]] = []
+        self._names: dict[int, str] = {}  # module id -> name in the unwrapped model
+        self._attributes: list[tuple[str, nn.Module, str]] = []
+        self._hook_state: HookState | None = None
+        self._settings = sc.Settings(configs=False)
+
+    # -- the run -------------------------------------------------------------------------
+
+    def trace(self) -> Trace:
+        ended = "completed"
+        with Collectives() as collectives:
+            try:
+                if not self._step(-1, "construct", self._construct, collectives):
+                    ended = "stopped at construction"
+                else:
+                    for index, op in enumerate(self.scenario.ops):
+                        if not self._step(index, op.describe(), self._handler(op), collectives):
+                            error = self._records[-1].observed["exception"][0]
+                            ended = f"stopped at op {index} by {error}"
+                            break
+            finally:
+                self._close_contexts()
+        records = tuple(self._records)
+        self._release()
+        return Trace(self.api.describe(), records, ended)
+
+    def _step(
+        self, index: int, text: str, fn: Callable[[], None], collectives: Collectives
+    ) -> bool:
+        self._current = {}
+        with catching() as caught:
+            fn()
+        observed = self._current
+        observed["collectives"] = collectives.take()
+        observed["warnings"] = caught[0].warnings
+        if caught[0].error is not None:
+            observed["exception"] = caught[0].error
+        else:
+            with catching() as snapshot_caught:
+                observed.update(self._snapshot())
+            if snapshot_caught[0].error is not None:
+                observed["exception"] = ("while observing",) + snapshot_caught[0].error
+            observed["collectives while observing"] = collectives.take()
+        self._records.append(OpRecord(index, text, observed))
+        return "exception" not in observed
+
+    def _note(self, key: str, value: Any) -> None:
+        """Records an observation of the current op (a list per key when repeated)."""
+        self._current.setdefault(key, []).append(self.observe(value))
+
+    def _close_contexts(self) -> None:
+        while self._contexts:
+            _, context, _ = self._contexts.pop()
+            with contextlib.suppress(Exception):
+                context.__exit__(None, None, None)
+
+    def _release(self) -> None:
+        self.model = self.optim = self.loss = None
+        self._saved.clear()
+        self._saved_optim.clear()
+        self._attributes.clear()
+        self._hook_state = None
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _construct(self) -> None:
+        setup = self.scenario.setup
+        meta = setup.init is sc.Init.META
+        seed = self.scenario.seed + (7919 * self.rank if setup.rank_seeded else 0)
+        model = build(self.scenario.net, seed, torch.device("meta") if meta else self.device)
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._register_forward_hooks(model)
+        self._attributes = [
+            (f"{owner}.{name}".lstrip("."), module, name)
+            for owner, module in model.named_modules()
+            for name, _ in module.named_parameters(recurse=False)
+        ]
+        kwargs = self._fsdp_kwargs(model)
+        if meta:
+            kwargs["param_init_fn"] = self._param_init_fn()
+        self.model = self.api.FSDP(model, **kwargs)
+        self._note("modules", self._structure())
+        self.optim = self._optimizer()
+
+    def _fsdp_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        setup, api = self.scenario.setup, self.api
+        kwargs: dict[str, Any] = {
+            "sharding_strategy": api.ShardingStrategy[setup.sharding.value],
+            "use_orig_params": setup.use_orig_params,
+            "mixed_precision": api.mixed_precision(setup.mixed_precision),
+            "cpu_offload": api.CPUOffload(offload_params=setup.offload_params),
+            "backward_prefetch": api.prefetch(setup.backward_prefetch),
+            "forward_prefetch": setup.forward_prefetch,
+            "limit_all_gathers": setup.limit_all_gathers,
+            "auto_wrap_policy": api.policy(setup.wrap, setup.min_num_params),
+            "sync_module_states": setup.sync_module_states,
+            "device_id": self.device,
+        }
+        ignored = [model.blocks[i] for i in setup.ignored_blocks]  # type: ignore[index]
+        if ignored and setup.ignored_as_states:
+            kwargs["ignored_states"] = [p for m in ignored for p in m.parameters()]
+        elif ignored:
+            kwargs["ignored_modules"] = ignored
+        kwargs.update(self._groups())
+        return kwargs
+
+    def _groups(self) -> dict[str, Any]:
+        """The process groups or device mesh of the scenario (every rank creates every group)."""
+        setup, world = self.scenario.setup, self.scenario.world_size
+        if setup.mesh:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if setup.sharding.is_hybrid():
+                shape = (setup.replicas, world // setup.replicas)
+                return {
+                    "device_mesh": init_device_mesh(
+                        self.device.type, shape, mesh_dim_names=("replicate", "shard")
+                    )
+                }
+            return {"device_mesh": init_device_mesh(self.device.type, (world,))}
+        if not setup.sharding.is_hybrid():
+            return {}
+        shards = world // setup.replicas
+        shard_layout = [list(range(r * shards, (r + 1) * shards)) for r in range(setup.replicas)]
+        replicate_layout = [list(range(s, world, shards)) for s in range(shards)]
+        return {
+            "process_group": (
+                _own_group(shard_layout, self.rank),
+                _own_group(replicate_layout, self.rank),
+            )
+        }
+
+    def _param_init_fn(self) -> Callable[[nn.Module], None]:
+        init = functools.partial(materialize, names=self._names, device=self.device)
+
+        def param_init_fn(module: nn.Module) -> None:
+            self._note("param_init_fn called on", self._names.get(id(module), "?"))
+            init(module)
+
+        return param_init_fn
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        params = self.model.parameters()
+        if self.scenario.setup.optimizer is sc.Optimizer.ADAM:
+            return torch.optim.Adam(params, lr=LR, eps=ADAM_EPS, foreach=False)
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=False)
+
+    def _register_forward_hooks(self, model: nn.Module) -> None:
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(self._forward_hook(name, "input"), with_kwargs=True)
+            module.register_forward_hook(self._forward_hook(name, "output"), with_kwargs=True)
+
+    def _forward_hook(self, name: str, what: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, *output: Any) -> None:
+            value = output[0] if output else (args, kwargs)
+            self._note(f"forward {name or '(root)'} {what}", value)
+
+        return hook
+
+    def _structure(self) -> tuple[tuple[str, str], ...]:
+        """Every module of the wrapped model: its name and whether it is an FSDP unit."""
+        return tuple(
+            (name, "FSDP" if self.api.is_fsdp(m) else type(m).__name__)
+            for name, m in self.model.named_modules()
+        )
+
+    # -- the snapshot --------------------------------------------------------------------
+
+    def _snapshot(self) -> dict[str, Any]:
+        model, observed = self.model, {}
+        if model is None:
+            return observed
+        for name, param in model.named_parameters():
+            observed[f"parameter {name}"] = self.observe(param)
+            observed[f"parameter {name} .grad"] = self.observe(param.grad)
+        for name, buffer in model.named_buffers():
+            observed[f"buffer {name}"] = self.observe(buffer)
+        for path, module, name in self._attributes:
+            value = getattr(module, name, None)
+            observed[f"attribute {path}"] = self.observe(value)
+            if isinstance(value, torch.Tensor):
+                observed[f"attribute {path} .grad"] = self.observe(value.grad)
+        for slot, (saved, when_saved) in enumerate(self._saved):
+            observed[f"state dict {slot} changed since saved"] = self._changed(saved, when_saved)
+        for slot, (saved, when_saved, *_) in enumerate(self._saved_optim):
+            changed = self._changed(saved, when_saved)
+            observed[f"optimizer state dict {slot} changed since saved"] = changed
+        observed["training"] = bool(model.training)
+        return observed
+
+    def _changed(self, saved: Any, when_saved: Any) -> bool:
+        return first_difference(self.observe(saved), when_saved, EXACT) is not None
+
+    # -- the ops ---------------------------------------------------------------------------
+
+    def _handler(self, op: sc.Op) -> Callable[[], None]:
+        method = getattr(self, "_op_" + type(op).__name__)
+        return functools.partial(method, op)
+
+    def _op_Forward(self, op: sc.Forward) -> None:
+        index = len(self._records) - 1
+        data = batch(self.scenario.net, self.scenario.seed, self.rank, index, self.device)
+        grad = torch.no_grad() if op.no_grad else contextlib.nullcontext()
+        with grad:
+            output = self.model(data.inputs)
+            loss = data.loss(output)
+        self._note("output", output)
+        self._note("loss", float(loss.detach().float().cpu()))
+        self.loss = None if op.no_grad else loss
+
+    def _op_Backward(self, op: sc.Backward) -> None:
+        loss, self.loss = self.loss, None
+        assert loss is not None, "a drawn program runs backward after a forward"
+        loss.backward()
+
+    def _op_OptimStep(self, op: sc.OptimStep) -> None:
+        assert self.optim is not None
+        self.optim.step()
+        self._note("optimizer state", self.optim.state_dict())
+
+    def _op_ZeroGrad(self, op: sc.ZeroGrad) -> None:
+        target = self.model if op.on_model else self.optim
+        target.zero_grad(set_to_none=op.set_to_none)
+
+    def _op_Train(self, op: sc.Train) -> None:
+        self.model.train(op.mode)
+        self._note(
+            "modules in training mode",
+            tuple(n for n, m in self.model.named_modules() if m.training),
+        )
+
+    def _op_EnterNoSync(self, op: sc.EnterNoSync) -> None:
+        self._enter("no_sync", self.model.no_sync())
+
+    def _op_Exit(self, op: sc.Exit) -> None:
+        name, context, settings = self._contexts.pop()
+        self._note("left", name)
+        self._settings = settings
+        context.__exit__(None, None, None)
+        if name == "state_dict_type":  # what persists after leaving the context
+            self._note("settings after leaving", self.api.FSDP.get_state_dict_type(self.model))
+
+    def _enter(self, name: str, context: contextlib.AbstractContextManager[Any]) -> None:
+        previous = self._settings
+        context.__enter__()
+        self._contexts.append((name, context, previous))
+
+    def _op_ClipGradNorm(self, op: sc.ClipGradNorm) -> None:
+        self._note("total norm", self.model.clip_grad_norm_(op.max_norm, op.norm_type))
+
+    def _op_SetStateDictType(self, op: sc.SetStateDictType) -> None:
+        config, optim_config = self.api.configs(op.settings)
+        kind = self.api.state_dict_type(op.settings)
+        previous = self.api.FSDP.set_state_dict_type(self.model, kind, config, optim_config)
+        self._settings = op.settings
+        self._note("previous settings", previous)
+
+    def _op_EnterStateDictType(self, op: sc.EnterStateDictType) -> None:
+        config, optim_config = self.api.configs(op.settings)
+        kind = self.api.state_dict_type(op.settings)
+        self._enter(
+            "state_dict_type", self.api.FSDP.state_dict_type(self.model, kind, config, optim_config)
+        )
+        self._settings = op.settings
+
+    def _op_SaveStateDict(self, op: sc.SaveStateDict) -> None:
+        self._note("settings", self.api.FSDP.get_state_dict_type(self.model))
+        saved = self.model.state_dict()
+        observed = self.observe(saved)
+        self._current["state dict"] = [observed]
+        self._saved.append((saved, observed))
+
+    def _op_LoadStateDict(self, op: sc.LoadStateDict) -> None:
+        saved = dict(self._saved[op.slot][0])
+        if op.edit is sc.LoadEdit.DROP and saved:
+            saved.pop(next(iter(saved)))
+        elif op.edit is sc.LoadEdit.EXTRA:
+            saved["extra.key"] = torch.zeros(1, device=self.device)
+        self._note("incompatible keys", self.model.load_state_dict(saved, strict=op.strict))
+
+    def _op_SaveOptimState(self, op: sc.SaveOptimState) -> None:
+        FSDP, optim = self.api.FSDP, self.optim
+        settings: sc.Settings | None = None
+        rank0_only = False
+        if op.api is sc.OptimApi.OPTIM_STATE_DICT:
+            saved = FSDP.optim_state_dict(self.model, optim)
+            settings = self._settings
+            rank0_only = settings.kind is sc.StateDictKind.FULL and settings.optim_rank0_only
+        elif op.api is sc.OptimApi.FULL:
+            saved = FSDP.full_optim_state_dict(self.model, optim)
+            rank0_only = True
+        else:
+            saved = FSDP.sharded_optim_state_dict(self.model, optim)
+        observed = self.observe(saved)
+        self._current["optimizer state dict"] = [observed]
+        self._saved_optim.append((saved, observed, settings, op.api, rank0_only))
+
+    def _op_LoadOptimState(self, op: sc.LoadOptimState) -> None:
+        FSDP, model, optim = self.api.FSDP, self.model, self.optim
+        saved, _, _, api, rank0_only = self._saved_optim[op.slot]
+        saved = copy.copy(saved)
+        if api is sc.OptimApi.OPTIM_STATE_DICT:
+            loadable = FSDP.optim_state_dict_to_load(model, optim, saved)
+        elif api is sc.OptimApi.SHARDED:
+            loadable = FSDP.flatten_sharded_optim_state_dict(saved, model, optim)
+        elif op.scatter or rank0_only:
+            loadable = FSDP.scatter_full_optim_state_dict(
+                saved if self.rank == 0 else None, model, optim=optim
+            )
+        else:
+            loadable = FSDP.shard_full_optim_state_dict(saved, model, optim=optim)
+        self._note("to load", loadable)
+        optim.load_state_dict(loadable)
+        self._note("optimizer state", optim.state_dict())
+
+    def _op_RekeyOptimState(self, op: sc.RekeyOptimState) -> None:
+        saved = self._saved_optim[op.slot][0]
+        key_type = self.api.OptimStateKeyType.PARAM_ID
+        self._note(
+            "rekeyed",
+            self.api.FSDP.rekey_optim_state_dict(saved, key_type, self.model, optim=self.optim),
+        )
+
+    def _op_EnterSummon(self, op: sc.EnterSummon) -> None:
+        summon = self.api.FSDP.summon_full_params(
+            self.model,
+            recurse=op.recurse,
+            writeback=op.writeback,
+            rank0_only=op.rank0_only,
+            offload_to_cpu=op.offload_to_cpu,
+            with_grads=op.with_grads,
+        )
+        self._enter("summon_full_params", summon)
+
+    @torch.no_grad()
+    def _op_EditParams(self, op: sc.EditParams) -> None:
+        for _, param in self.model.named_parameters():
+            if param.numel():
+                param.mul_(EDIT_SCALE).add_(EDIT_SHIFT)
+
+    def _op_Apply(self, op: sc.Apply) -> None:
+        returned = self.model.apply(_APPLY_FNS[op.fn])
+        self._note("returned the model", returned is self.model)
+
+    def _op_RegisterCommHook(self, op: sc.RegisterCommHook) -> None:
+        self._hook_state = HookState(dist.group.WORLD)
+        hook = self._recording_hook if op.kind is sc.HookKind.RECORDING else self._local_hook
+        self.model.register_comm_hook(self._hook_state, hook)
+
+    def _recording_hook(
+        self, state: Any, grad: torch.Tensor, output: torch.Tensor | None = None
+    ) -> None:
+        self._note_hook(state, grad, output)
+        group = state.process_group
+        size = dist.get_world_size(group)
+        if output is None:
+            dist.all_reduce(grad, group=group)
+            grad.div_(size)
+        else:
+            dist.reduce_scatter_tensor(output, grad.contiguous(), group=group)
+            output.div_(size)
+
+    def _local_hook(
+        self, state: Any, grad: torch.Tensor, output: torch.Tensor | None = None
+    ) -> None:
+        """Keeps each rank's own gradient (no communication)."""
+        self._note_hook(state, grad, output)
+        if output is not None:
+            size = dist.get_world_size(state.process_group)
+            output.copy_(grad.flatten().chunk(size)[dist.get_rank(state.process_group)])
+
+    def _note_hook(self, state: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        """The output shard is observed without values: it is empty memory to fill."""
+        shard = None if output is None else self.observe(output)._replace(values="to be written")
+        self._note(
+            "comm hook called with", (type(state).__name__, state is self._hook_state, grad, shard)
+        )
+
+    def _op_FsdpModules(self, op: sc.FsdpModules) -> None:
+        names = {id(m): name for name, m in self.model.named_modules()}
+        found = self.api.FSDP.fsdp_modules(self.model, root_only=op.root_only)
+        self._note("fsdp modules", tuple(names.get(id(m), "(not in the model)") for m in found))
+
+    def _op_WrapAgain(self, op: sc.WrapAgain) -> None:
+        self.model = self.api.FSDP(self.model, device_id=self.device)
+        self._note("modules", self._structure())
+
+    def _op_Final(self, op: sc.Final) -> None:
+        FSDP = self.api.FSDP
+        with FSDP.summon_full_params(self.model):
+            self._note("full parameters", dict(self.model.named_parameters()))
+        with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
+            self._note("full state dict", self.model.state_dict())
+
+
+def _own_group(layout: list[list[int]], rank: int) -> Any:
+    groups = {tuple(ranks): dist.new_group(ranks) for ranks in layout}
+    return next(group for ranks, group in groups.items() if rank in ranks)
+
+
+@torch.no_grad()
+def _scale_linears(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.weight.mul_(0.5)
+
+
+@torch.no_grad()
+def _fill_buffers(module: nn.Module) -> None:
+    for buffer in module.buffers(recurse=False):
+        if buffer.is_floating_point():
+            buffer.add_(1.0)
+
+
+_APPLY_FNS: dict[sc.ApplyFn, Callable[[nn.Module], None]] = {
+    sc.ApplyFn.SCALE_LINEARS: _scale_linears,
+    sc.ApplyFn.FILL_BUFFERS: _fill_buffers,
+}

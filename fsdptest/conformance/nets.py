@@ -1,0 +1,190 @@
+"""The torch modules a scenario's ``Net`` builds, and its data (rank side).
+
+The layers of the property search (``fsdptest.properties.modules``) plus three
+kinds its models lack: a batch norm (running statistics and an int64 counter
+among the buffers), a counter (a float64 buffer added to the activations and
+an int64 buffer counting training forwards: buffers of dtypes mixed precision
+must not touch or must restore) and a Linear inside torch's
+activation-checkpointing wrapper (recomputed in backward; its names carry the
+wrapper's prefix). [Note: What keeps a drawn model wrappable] in that module
+holds here too.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+
+from fsdptest.conformance.scenario import Block, Layer, LayerKind, Net
+from fsdptest.properties.modules import Activated, Head, Scale, SharedLinear, TiedLinears
+
+
+class BatchNorm(nn.Module):
+    """BatchNorm1d over the last dimension of inputs of any rank."""
+
+    def __init__(self, width: int, affine: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width, affine=affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+class Counter(nn.Module):
+    """Adds a float64 offset; counts training forwards in an int64 buffer."""
+
+    offset: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, width: int, persistent: bool) -> None:
+        super().__init__()
+        offset = 0.01 * torch.arange(width, dtype=torch.float64)
+        self.register_buffer("offset", offset, persistent=persistent)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.count += 1
+        return x + self.offset.to(x.dtype)
+
+
+class NetBlock(nn.Module):
+    """A scenario's ``Block``: its layers, then its child blocks."""
+
+    def __init__(self, spec: Block, width_in: int) -> None:
+        super().__init__()
+        layers = []
+        for layer in spec.layers:
+            layers.append(_layer(layer, width_in))
+            width_in = layer.out_width(width_in)
+        self.layers = nn.Sequential(*layers)
+        children = []
+        for child in spec.children:
+            children.append(NetBlock(child, width_in))
+            width_in = child.out_width(width_in)
+        self.children_blocks = nn.ModuleList(children)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(x)
+        for child in self.children_blocks:
+            x = child(x)
+        return x
+
+
+def _layer(spec: Layer, width_in: int) -> nn.Module:
+    module: nn.Module
+    kind = spec.kind
+    if kind is LayerKind.LINEAR:
+        module = Activated(width_in, spec.width, spec.bias)
+    elif kind is LayerKind.CHECKPOINTED:
+        inner = Activated(width_in, spec.width, spec.bias)
+        module = checkpoint_wrapper(inner, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    elif kind is LayerKind.NORM:
+        module = nn.LayerNorm(width_in, elementwise_affine=spec.bias)
+    elif kind is LayerKind.BATCHNORM:
+        module = BatchNorm(width_in, spec.bias)
+    elif kind is LayerKind.SHARED:
+        module = SharedLinear(width_in, spec.bias)
+    elif kind is LayerKind.TIED:
+        module = TiedLinears(width_in, spec.bias)
+    elif kind is LayerKind.COUNTER:
+        module = Counter(width_in, spec.persistent)
+    else:
+        module = Scale(width_in, spec.persistent)
+    if spec.frozen:
+        module.requires_grad_(False)
+    return module
+
+
+class ConformanceNet(nn.Module):
+    """The module a scenario's ``Net`` describes."""
+
+    def __init__(self, spec: Net) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(spec.vocab, spec.width) if spec.vocab else None
+        blocks, width = [], spec.width
+        for block in spec.blocks:
+            blocks.append(NetBlock(block, width))
+            width = block.out_width(width)
+        self.blocks = nn.ModuleList(blocks)
+        self.projection = nn.Linear(width, spec.width) if spec.needs_projection() else None
+        if self.projection is not None:
+            width = spec.width
+        self.head = Head(width, spec.vocab or spec.outputs)
+        if self.embedding is not None and spec.tied_head:
+            self.head.weight = self.embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.projection is not None:
+            x = self.projection(x)
+        return self.head(x)
+
+
+def build(spec: Net, seed: int, device: torch.device) -> ConformanceNet:
+    """The model, the same for the same seed (on the meta device: no values)."""
+    torch.manual_seed(seed)
+    if device.type == "meta":
+        with torch.device("meta"):
+            return ConformanceNet(spec)
+    return ConformanceNet(spec).to(device)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, names: dict[int, str], device: torch.device) -> None:
+    """A ``param_init_fn``: moves ``module``'s own meta tensors to ``device`` and
+    fills each from its name alone (``names``: module id -> name in the model),
+    so that the values do not depend on the order an implementation calls it in."""
+    module.to_empty(device=device, recurse=False)
+    prefix = names.get(id(module), "?")
+    for name, tensor in [
+        *module.named_parameters(recurse=False),
+        *module.named_buffers(recurse=False),
+    ]:
+        tensor.copy_(deterministic_values(f"{prefix}.{name}", tensor))
+
+
+def deterministic_values(name: str, like: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    if like.is_floating_point():
+        values = torch.rand(like.shape, generator=generator, dtype=torch.float64) - 0.5
+    else:
+        values = torch.randint(0, 3, like.shape, generator=generator)
+    return values.to(dtype=like.dtype, device=like.device)
+
+
+class Batch:
+    """One forward's inputs and targets on one rank."""
+
+    def __init__(self, spec: Net, seed: int, device: torch.device) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        if spec.vocab:
+            shape = (spec.batch, spec.seq)
+            self.inputs = torch.randint(0, spec.vocab, shape, generator=generator)
+            self.targets = torch.randint(0, spec.vocab, shape, generator=generator)
+        else:
+            self.inputs = torch.randn(spec.batch, spec.width, generator=generator)
+            self.targets = torch.randn(spec.batch, spec.outputs, generator=generator)
+        self.inputs = self.inputs.to(device)
+        self.targets = self.targets.to(device)
+        self._classes = spec.vocab
+
+    def loss(self, output: torch.Tensor) -> torch.Tensor:
+        output = output.float()
+        if self._classes:
+            return F.cross_entropy(output.reshape(-1, self._classes), self.targets.reshape(-1))
+        return F.mse_loss(output, self.targets)
+
+
+def batch(spec: Net, seed: int, rank: int, op_index: int, device: torch.device) -> Batch:
+    return Batch(spec, 1_000_003 * seed + 10_007 * op_index + rank, device)

@@ -1,0 +1,274 @@
+"""Every allowed difference of the conformance search is asserted
+(``fsdptest.conformance.allowed``, [Note: Nothing is silently skipped]):
+
+- what torch's FSDP is not asked (``UNASKED``) still fails in torch: the
+  entries pinned down in ``suites/test_property_findings.py`` name an existing
+  test there; the others are asserted here (``TestTorchLimitations``, on
+  torch's FSDP whatever ``--fsdp-impl`` says);
+- every observation rewrite (``NORMALISED``) still rewrites something of
+  torch's trace on a witness scenario: when torch stops doing what it allows,
+  the rewrite stops applying and the test fails;
+- every divergence of ours (``PENDING``, ``PENDING_UNASKED``) is still there on
+  its witness scenario (ours against torch's): fixing it fails the test, and the
+  entry (and its note in the README) is then deleted.
+
+These compare this project's FSDP with torch's by module (``local``, ``torch``),
+whatever ``--fsdp-impl`` and ``--fsdp-reference`` say.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fsdptest import FSDPTest
+from fsdptest.conformance import allowed
+from fsdptest.conformance import scenario as sc
+from fsdptest.properties.examples import DType, Precision, Sharding, Wrap
+from harness import current_device
+
+ROOT = Path(__file__).resolve().parents[1]
+L, B, K = sc.Layer, sc.Block, sc.LayerKind
+NET = sc.Net(vocab=0, width=2, blocks=(B((L(K.LINEAR, 2),)),))
+TRAIN = (sc.ZeroGrad(), sc.Forward(), sc.Backward(), sc.OptimStep())
+
+
+DEFAULT = sc.Setup()
+
+
+def _scenario(ops: tuple[sc.Op, ...], setup: sc.Setup = DEFAULT, net: sc.Net = NET) -> sc.Scenario:
+    return sc.Scenario(2, net, setup, (*ops, sc.Final()))
+
+
+def _settings(kind: sc.StateDictKind) -> sc.SetStateDictType:
+    return sc.SetStateDictType(sc.Settings(kind=kind))
+
+
+ORIG = sc.Setup(use_orig_params=True)
+MESH = sc.Setup(mesh=True, optimizer=sc.Optimizer.ADAM)
+NO_SHARD = sc.Setup(sharding=Sharding.NO_SHARD)
+BUFFER = sc.Net(vocab=0, width=2, blocks=(B((L(K.LINEAR, 2), L(K.SCALE))),))
+LOW_GRADS = Precision(
+    param_dtype=DType.BFLOAT16, reduce_dtype=DType.FLOAT16, keep_low_precision_grads=True
+)
+
+# A scenario where each NORMALISED entry rewrites torch's trace.
+NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
+    "FLAT_VIEW_ATTRIBUTES_HAVE_NO_CONTRACT": _scenario(()),
+    "TORCH_INTERNAL_WARNINGS": _scenario(
+        (*TRAIN, _settings(sc.StateDictKind.SHARDED), sc.SaveOptimState())
+    ),
+    "TORCH_WARNING_TYPOS": _scenario((sc.SaveStateDict(), sc.LoadStateDict(slot=0)), NO_SHARD),
+    "OPTIMIZER_STATE_ENTRY_ORDER": _scenario(
+        (
+            *TRAIN,
+            sc.SaveOptimState(),
+            sc.LoadOptimState(slot=0),
+        ),
+        sc.Setup(optimizer=sc.Optimizer.ADAM),
+    ),
+    "FLAT_PARAM_PADDING_VALUE": _scenario(
+        (*TRAIN, _settings(sc.StateDictKind.LOCAL), sc.SaveStateDict()), ORIG
+    ),
+}
+
+# A scenario where each PENDING entry hides a divergence of ours.
+PENDING_WITNESSES: dict[str, sc.Scenario] = {
+    "FLAT_PARAMETER_NAME": _scenario(()),
+    "ATTRIBUTE_REQUIRES_GRAD": _scenario(()),
+    "DEPRECATION_WARNINGS": _scenario((_settings(sc.StateDictKind.FULL),), NO_SHARD),
+    "NO_SHARD_STATE_DICT_WARNING_COUNT": _scenario((sc.SaveStateDict(),), NO_SHARD),
+    "OPTIM_STATE_DICT_COLLECTIVES": _scenario(
+        (*TRAIN, sc.SaveOptimState(api=sc.OptimApi.FULL), sc.LoadOptimState(slot=0))
+    ),
+    "LOCAL_FLAT_PARAM_REQUIRES_GRAD": _scenario(
+        (*TRAIN, _settings(sc.StateDictKind.LOCAL), sc.SaveStateDict())
+    ),
+    "USE_DTENSOR_WITH_MESH": _scenario(
+        (_settings(sc.StateDictKind.SHARDED), sc.SaveStateDict()), sc.Setup(mesh=True)
+    ),
+    "WITH_GRADS_FLAG_DTYPE": _scenario((sc.EnterSummon(with_grads=True), sc.Exit()), ORIG),
+}
+
+# A scenario holding each call that is not drawn for ours.
+NET3 = sc.Net(vocab=0, width=2, blocks=tuple(B((L(K.LINEAR, 2),)) for _ in range(3)))
+PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
+    "LOCAL_STATE_DICT_SETTINGS_WITH_MESH": _scenario(
+        (
+            sc.EnterStateDictType(sc.Settings(kind=sc.StateDictKind.LOCAL)),
+            sc.SaveStateDict(),
+            sc.Exit(),
+        ),
+        sc.Setup(mesh=True),
+    ),
+    "FORWARD_PREFETCH_BACKWARD_ORDER": sc.Scenario(
+        3,
+        NET3,
+        sc.Setup(wrap=Wrap.BLOCKS, forward_prefetch=True),
+        (sc.Forward(no_grad=True), sc.Forward(), sc.Backward(), sc.Final()),
+    ),
+    "FSDP_MODULES_ROOT_ONLY_INITIALIZES": _scenario(
+        (sc.FsdpModules(root_only=True),),
+        sc.Setup(mixed_precision=Precision(buffer_dtype=DType.BFLOAT16)),
+        BUFFER,
+    ),
+    "WRAP_AGAIN": _scenario((sc.WrapAgain(),)),
+    "STATE_DICT_INSIDE_SUMMON": _scenario((sc.EnterSummon(), sc.SaveStateDict(), sc.Exit())),
+    "SHARDED_OPTIM_STATE_WITH_MESH": _scenario(
+        (*TRAIN, sc.SaveStateDict(), sc.SaveOptimState(api=sc.OptimApi.SHARDED)), MESH
+    ),
+    "APPLY_BEFORE_FIRST_FORWARD_WITH_BUFFER_DTYPE": _scenario(
+        (sc.Apply(),), sc.Setup(mixed_precision=Precision(buffer_dtype=DType.BFLOAT16)), BUFFER
+    ),
+    "NO_SHARD_LOW_PRECISION_GRADS_DTYPE": _scenario(
+        (sc.Forward(), sc.Backward()),
+        sc.Setup(sharding=Sharding.NO_SHARD, mixed_precision=LOW_GRADS),
+    ),
+}
+
+
+class TestAllowedDifferences(FSDPTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("name", sorted(NORMALISED_WITNESSES))
+    def test_torch_still_differs_where_normalised(self, name: str) -> None:
+        """The rewrite still changes torch's trace of its witness scenario."""
+        from fsdptest.conformance.execute import Run
+        from fsdptest.conformance.implementation import FsdpApi
+
+        trace = Run(NORMALISED_WITNESSES[name], FsdpApi("torch"), current_device()).trace()
+        entry = allowed.NORMALISED[name]
+        counts: dict[str, int] = {}
+        for record in trace.records:
+            allowed.normalise(record.op, record.observed, [entry], counts)
+        self.assertGreater(counts.get(name, 0), 0, f"{name} no longer applies to torch's trace")
+
+    @pytest.mark.parametrize("name", sorted(PENDING_WITNESSES))
+    def test_pending_divergence_is_still_there(self, name: str) -> None:
+        """Without the entry, ours differs from torch's where it says; with it, less."""
+        from fsdptest.conformance.check import run_both
+
+        scenario = PENDING_WITNESSES[name]
+        without = run_both(scenario, "local", "torch", without=frozenset({name}))
+        with_entry = run_both(scenario, "local", "torch")
+        self.assertGreater(
+            len(without.left),
+            len(with_entry.left),
+            f"{name}: ours no longer differs from torch's here (fixed?): delete the entry",
+        )
+        self.assertGreater(with_entry.allowed.get(name, 0), 0)
+
+    @pytest.mark.parametrize("name", sorted(PENDING_UNASKED_WITNESSES))
+    def test_unasked_divergence_is_still_there(self, name: str) -> None:
+        """The call ours is not asked still makes it differ from torch's."""
+        from fsdptest.conformance.check import run_both
+
+        verdict = run_both(PENDING_UNASKED_WITNESSES[name], "local", "torch")
+        self.assertTrue(
+            verdict.left, f"{name}: ours no longer differs from torch's (fixed?): delete the entry"
+        )
+
+
+class TestTorchLimitations(FSDPTest):
+    """Torch's FSDP (``torch.distributed.fsdp`` itself) on CPU ranks."""
+
+    world_size = 2
+
+    def _torch_fsdp(self, module: nn.Module, **kwargs: object) -> nn.Module:
+        import torch.distributed.fsdp as torch_fsdp
+
+        kwargs.setdefault("device_id", torch.device("cpu"))
+        return torch_fsdp.FullyShardedDataParallel(module, **kwargs)
+
+    def setUp(self) -> None:
+        super().setUp()
+        if current_device().type != "cpu":
+            pytest.skip("asserts what torch's FSDP does on CPU ranks")
+
+    def test_summon_offload_to_cpu_on_cpu_ranks(self) -> None:
+        """T1: every rank raises (rank 0 only under rank0_only=True)."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        for rank0_only in (False, True):
+            model = self._torch_fsdp(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1, bias=False)))
+            summon = torch_fsdp.FullyShardedDataParallel.summon_full_params(
+                model, offload_to_cpu=True, rank0_only=rank0_only, writeback=False
+            )
+            if rank0_only and self.rank != 0:
+                with summon:
+                    pass
+                continue
+            with self.assertRaisesRegex(RuntimeError, "out of bounds for storage of size 0"):
+                with summon:
+                    pass
+        model = self._torch_fsdp(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1, bias=False)))
+        config = torch_fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+        with torch_fsdp.FullyShardedDataParallel.state_dict_type(
+            model, torch_fsdp.StateDictType.FULL_STATE_DICT, config
+        ):
+            with self.assertRaisesRegex(RuntimeError, "out of bounds for storage of size 0"):
+                model.state_dict()
+
+    def test_sync_module_states_on_cpu_ranks(self) -> None:
+        """T2: torch refuses CPU modules even with device_id=cpu."""
+        with self.assertRaisesRegex(ValueError, "requires them to be on GPU"):
+            self._torch_fsdp(nn.Linear(2, 2), sync_module_states=True)
+
+    def test_optim_state_dict_aliases_states_with_orig_params(self) -> None:
+        """T3: Adam's exp_avg comes back equal to exp_avg_sq (with use_orig_params=False
+        it does not)."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        for use_orig_params in (True, False):
+            torch.manual_seed(0)
+            model = self._torch_fsdp(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), use_orig_params=use_orig_params
+            )
+            optim = torch.optim.Adam(model.parameters(), lr=0.01)
+            model(torch.randn(2, 3)).sum().backward()
+            optim.step()
+            saved = torch_fsdp.FullyShardedDataParallel.optim_state_dict(model, optim)
+            state = saved["state"]["0.weight"]
+            aliased = torch.equal(state["exp_avg"], state["exp_avg_sq"])
+            self.assertEqual(aliased, use_orig_params, f"use_orig_params={use_orig_params}")
+
+    def test_no_sync_gives_frozen_parameters_gradients(self) -> None:
+        """T4: after a backward under no_sync the frozen Linear has a .grad (with
+        a synced backward it has none)."""
+        for synced in (True, False):
+            net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+            net[1].requires_grad_(False)
+            model = self._torch_fsdp(net, use_orig_params=True)
+            context = model.no_sync() if not synced else torch.enable_grad()
+            with context:
+                model(torch.ones(2, 2)).sum().backward()
+            has_grad = net[1].weight.grad is not None
+            self.assertEqual(has_grad, not synced, f"synced={synced}")
+
+
+@pytest.mark.parametrize("name", sorted([*allowed.UNASKED, *allowed.PENDING_UNASKED]))
+def test_unasked_entries_name_their_evidence(name: str) -> None:
+    """Each entry's evidence is a test that exists (or, for the limitations asserted
+    elsewhere, a file that does)."""
+    entry = allowed.UNASKED.get(name) or allowed.PENDING_UNASKED[name]
+    evidence = entry.evidence
+    path, _, rest = evidence.partition("::")
+    path = path.split(" ")[0]
+    assert (ROOT / path).is_file(), f"{name}: {path} does not exist"
+    if rest:
+        module = importlib.import_module(path[: -len(".py")].replace("/", "."))
+        target: object = module
+        for part in rest.split("::"):
+            assert hasattr(target, part), f"{name}: {evidence} does not exist"
+            target = getattr(target, part)
+
+
+def test_every_entry_has_a_witness() -> None:
+    """No entry goes unasserted."""
+    assert set(NORMALISED_WITNESSES) == set(allowed.NORMALISED)
+    assert set(PENDING_WITNESSES) == set(allowed.PENDING)
+    assert set(PENDING_UNASKED_WITNESSES) == set(allowed.PENDING_UNASKED)
