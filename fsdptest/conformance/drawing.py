@@ -486,7 +486,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def misuse(self, misuse: str) -> None:
         """One rule for every misuse, so that programs hold few: ``state_dict()``
         inside ``summon_full_params``; ``FSDP(model)`` of the FSDP root before its
-        first forward (after it, every later call of torch's FSDP fails its
+        lazy initialisation (after it, every later call of torch's FSDP fails its
         root check)."""
         if misuse == "state_dict inside summon" and self._may_save_inside_summon():
             self._add(sc.SaveStateDict())
@@ -511,7 +511,14 @@ class ProgramMachine(RuleBasedStateMachine):
         return [op for op in opened if isinstance(op, sc.EnterSummon)]
 
     def _may_wrap_again(self) -> bool:
-        return not self.inited and not self.contexts and self.TARGET.may_wrap_again(self.setup)
+        """Only before any call that lazily initialises the root (a forward, a state
+        dict, a summon, ...): after it torch's root check refuses the new root."""
+        quiet = (sc.Train, sc.ZeroGrad, sc.SetStateDictType)
+        return (
+            all(isinstance(op, quiet) for op in self.ops)
+            and not self.contexts
+            and self.TARGET.may_wrap_again(self.setup)
+        )
 
     # -- the end -------------------------------------------------------------------------------
 
