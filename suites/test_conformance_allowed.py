@@ -235,6 +235,17 @@ class TestTorchLimitations(FSDPTest):
         with self.assertRaisesRegex(RuntimeError, "dtype"):
             wrapped(mixed_precision=precision)(torch.ones(2, 2)).sum().backward()
 
+    def test_wrapping_an_initialised_root_again(self) -> None:
+        """FSDP(root) after root.state_dict(): the next state_dict() fails torch's
+        root check (before any such call the wrapped-again model saves)."""
+        fresh = self._torch_fsdp(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+        self.assertEqual(len(self._torch_fsdp(fresh).state_dict()), 4)
+        used = self._torch_fsdp(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+        used.state_dict()
+        again = self._torch_fsdp(used)
+        with self.assertRaisesRegex(AssertionError, "should not have been set yet"):
+            again.state_dict()
+
     def test_state_dict_inside_summon_rank0_only_or_local(self) -> None:
         """Inside summon_full_params: a FULL_STATE_DICT with rank0_only raises KeyError
         on ranks != 0, a LOCAL_STATE_DICT raises everywhere (a plain FULL_STATE_DICT

@@ -184,6 +184,17 @@ UNASKED = _entries(
         "test_wrapping_a_unit_again_with_mixed_precision",
     ),
     Unasked(
+        "WRAP_AGAIN_AFTER_INITIALISATION",
+        "FSDP(root) after a call that lazily initialised the root (a forward, a state dict, a "
+        "summon, apply, clip_grad_norm_, ...): torch's next call fails its root check "
+        "('Non-root FSDP instance's `_is_root` should not have been set yet ...'); this "
+        "project's FSDP lets the new wrapper become the root, as it does for a unit summoned "
+        "or initialised before its enclosing unit (differences D6), and then checks the units "
+        "agree (use_orig_params, ...); the root is wrapped again only before such a call",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_wrapping_an_initialised_root_again",
+    ),
+    Unasked(
         "STATE_DICT_INSIDE_SUMMON_RANK0_OR_LOCAL",
         "state_dict() inside summon_full_params: under a rank0_only summon torch's ranks != 0 "
         "fail its key check (rank 0 saves: the others would wait), under a FULL_STATE_DICT "
@@ -305,8 +316,11 @@ class Target:
         local_orig = kind is StateDictKind.LOCAL and setup.use_orig_params
         return not local_orig or self.asks("LOCAL_STATE_DICT_LOAD_WITH_ORIG_PARAMS")
 
-    def may_wrap_again(self, setup: Setup) -> bool:
-        """Whether the root may be wrapped again (before its first forward)."""
+    def may_wrap_again(self, setup: Setup, initialised: bool) -> bool:
+        """Whether the root may be wrapped again (``initialised``: after a call that
+        lazily initialised it)."""
+        if initialised and not self.asks("WRAP_AGAIN_AFTER_INITIALISATION"):
+            return False
         return setup.mixed_precision is None or self.asks("WRAP_AGAIN_WITH_MIXED_PRECISION")
 
     def may_save_inside_summon(self, settings: Settings, rank0_only_summon: bool) -> bool:

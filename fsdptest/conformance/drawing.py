@@ -511,14 +511,11 @@ class ProgramMachine(RuleBasedStateMachine):
         return [op for op in opened if isinstance(op, sc.EnterSummon)]
 
     def _may_wrap_again(self) -> bool:
-        """Only before any call that lazily initialises the root (a forward, a state
-        dict, a summon, ...): after it torch's root check refuses the new root."""
+        """Not inside a context; after a call that lazily initialises the root (a
+        forward, a state dict, a summon, ...) only where the reference allows it."""
         quiet = (sc.Train, sc.ZeroGrad, sc.SetStateDictType)
-        return (
-            all(isinstance(op, quiet) for op in self.ops)
-            and not self.contexts
-            and self.TARGET.may_wrap_again(self.setup)
-        )
+        initialised = not all(isinstance(op, quiet) for op in self.ops)
+        return not self.contexts and self.TARGET.may_wrap_again(self.setup, initialised)
 
     # -- the end -------------------------------------------------------------------------------
 
