@@ -246,6 +246,22 @@ class TestTorchLimitations(FSDPTest):
         with self.assertRaisesRegex(AssertionError, "should not have been set yet"):
             again.state_dict()
 
+    def test_summon_with_grads_gives_frozen_parameters_gradients(self) -> None:
+        """use_orig_params=True, a frozen Linear in the unit, after a backward: outside
+        a summon its .grad is None, inside summon_full_params(with_grads=True) torch
+        gives it a zero gradient."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        net[1].requires_grad_(False)
+        model = self._torch_fsdp(net, use_orig_params=True)
+        model(torch.ones(2, 2)).sum().backward()
+        self.assertIsNone(net[1].weight.grad)
+        with torch_fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            grad = net[1].weight.grad
+            self.assertIsNotNone(grad)
+            self.assertEqual(grad, torch.zeros(2, 2))
+
     def test_state_dict_inside_summon_rank0_only_or_local(self) -> None:
         """Inside summon_full_params: a FULL_STATE_DICT with rank0_only raises KeyError
         on ranks != 0, a LOCAL_STATE_DICT raises everywhere (a plain FULL_STATE_DICT

@@ -184,6 +184,15 @@ UNASKED = _entries(
         "test_wrapping_a_unit_again_with_mixed_precision",
     ),
     Unasked(
+        "SUMMONED_GRADIENTS_OF_FROZEN_PARAMETERS",
+        "use_orig_params=True with a frozen parameter (requires_grad=False) in a unit: inside "
+        "summon_full_params(with_grads=True) torch gives it a zero .grad (outside it has "
+        "none), where it must stay None (BUGS.md class 7, as NO_SYNC_GRADIENTS_OF_FROZEN_"
+        "PARAMETERS); such scenarios summon without with_grads",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_summon_with_grads_gives_frozen_parameters_gradients",
+    ),
+    Unasked(
         "WRAP_AGAIN_AFTER_INITIALISATION",
         "FSDP(root) after a call that lazily initialised the root (a forward, a state dict, a "
         "summon, apply, clip_grad_norm_, ...): torch's next call fails its root check "
@@ -332,9 +341,12 @@ class Target:
         )
         return not (rank0_only_summon or full_rank0 or settings.kind is StateDictKind.LOCAL)
 
-    def may_summon_grads(self, setup: Setup) -> bool:
+    def may_summon_grads(self, setup: Setup, net: Net | None = None) -> bool:
         if not setup.use_orig_params:
             return False  # with_grads needs use_orig_params in both: a documented refusal
+        frozen = net is not None and any(layer.frozen for layer in net.layers())
+        if frozen and not self.asks("SUMMONED_GRADIENTS_OF_FROZEN_PARAMETERS"):
+            return False
         precision = setup.mixed_precision
         low_grads = precision is not None and precision.keep_low_precision_grads
         return not low_grads or self.asks("SUMMONED_LOW_PRECISION_GRADIENTS")

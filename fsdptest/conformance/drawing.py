@@ -446,7 +446,7 @@ class ProgramMachine(RuleBasedStateMachine):
         summoned parameters at once."""
         writeback = writeback and not rank0_only
         offload_to_cpu = offload_to_cpu and self.TARGET.may_summon_offload()
-        with_grads = with_grads and self.TARGET.may_summon_grads(self.setup)
+        with_grads = with_grads and self.TARGET.may_summon_grads(self.setup, self.net)
         self._add(
             sc.EnterSummon(
                 recurse=recurse,
