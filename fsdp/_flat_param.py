@@ -47,6 +47,7 @@ runtime's end-of-backward callback runs the post-backward step instead.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -139,7 +140,8 @@ class FlatParamHandle:
     _mp_reduce_dtype: torch.dtype | None
     has_optim_in_backward: bool
     _unshard_event: torch.cuda.Event | None
-    _post_backward_hook: tuple[Any, RemovableHandle] | None
+    # (the AccumulateGrad node or None, its hook's handle, the hook: see _weakly)
+    _post_backward_hook: tuple[Any, RemovableHandle, Callable[[], None]] | None
     _fsdp_extension: DTensorExtensions | None
     _param_extensions: tuple[ParamExtension | None, ...]  # per original parameter
 
@@ -608,7 +610,7 @@ class FlatParamHandle:
         grad_fn = self.flat_param.expand_as(self.flat_param).grad_fn
         assert grad_fn is not None, "the post-backward hook needs autograd enabled"
         node = grad_fn.next_functions[0][0]
-        self._post_backward_hook = (node, node.register_hook(lambda *_: hook()))
+        self._post_backward_hook = (node, node.register_hook(_weakly(hook)), hook)
         return True
 
     def register_reshard_only_hook(self, inputs: list[Tensor], hook: Callable[[], None]) -> bool:
@@ -617,11 +619,33 @@ class FlatParamHandle:
         whether this call registered it."""
         if self._post_backward_hook is not None:
             return False
-        handle = torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: hook())
-        self._post_backward_hook = (None, handle)
+        handle = torch.autograd.graph.register_multi_grad_hook(inputs, _weakly(hook))
+        self._post_backward_hook = (None, handle, hook)
         return True
 
     def remove_post_backward_hook(self) -> None:
         if self._post_backward_hook is not None:
             self._post_backward_hook[1].remove()
             self._post_backward_hook = None
+
+
+def _weakly(hook: Callable[[], None]) -> Callable[..., None]:
+    """``hook`` called through a weak reference.
+
+    [Note: Post-backward hooks hold their unit weakly]
+    An autograd node keeps its hooks in C++, where the garbage collector cannot
+    see them, and the AccumulateGrad node keeps the flat parameter. A hook that
+    held the unit's state strongly would make state -> handle -> node -> hook ->
+    state a cycle the collector cannot break: after a forward that raised (no
+    backward removes the hook) the unit, its process groups and its memory would
+    live as long as the process. The handle holds the hook (a cycle the
+    collector sees); the node only a weak reference to it.
+    """
+    ref = weakref.ref(hook)
+
+    def call(*_: object) -> None:
+        alive = ref()
+        if alive is not None:
+            alive()
+
+    return call

@@ -446,7 +446,7 @@ class ProgramMachine(RuleBasedStateMachine):
         summoned parameters at once."""
         writeback = writeback and not rank0_only
         offload_to_cpu = offload_to_cpu and self.TARGET.may_summon_offload()
-        with_grads = with_grads and self.TARGET.may_summon_grads(self.setup)
+        with_grads = with_grads and self.TARGET.may_summon_grads(self.setup, self.net)
         self._add(
             sc.EnterSummon(
                 recurse=recurse,
@@ -465,19 +465,10 @@ class ProgramMachine(RuleBasedStateMachine):
     def edit_parameters(self) -> None:
         self._add(sc.EditParams())
 
-    @precondition(lambda self: self._free() and self._may_apply())
+    @precondition(lambda self: self._free())
     @rule(fn=st.sampled_from(list(sc.ApplyFn)))
     def apply(self, fn: sc.ApplyFn) -> None:
         self._add(sc.Apply(fn=fn))
-
-    def _may_apply(self) -> bool:
-        precision = self.setup.mixed_precision
-        buffer_dtype = precision is not None and precision.buffer_dtype is not None
-        return (
-            self.inited
-            or not buffer_dtype
-            or self.TARGET.asks("APPLY_BEFORE_FIRST_FORWARD_WITH_BUFFER_DTYPE")
-        )
 
     @precondition(lambda self: self.net is not None and not self.inited and not self.hooked)
     @rule(kind=st.sampled_from(list(sc.HookKind)))
@@ -488,8 +479,6 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.net is not None)
     @rule(root_only=st.booleans())
     def fsdp_modules(self, root_only: bool) -> None:
-        if root_only and not self.inited:
-            root_only = self.TARGET.asks("FSDP_MODULES_ROOT_ONLY_INITIALIZES")
         self._add(sc.FsdpModules(root_only=root_only))
 
     @precondition(lambda self: self.net is not None and not self.pending)
@@ -497,7 +486,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def misuse(self, misuse: str) -> None:
         """One rule for every misuse, so that programs hold few: ``state_dict()``
         inside ``summon_full_params``; ``FSDP(model)`` of the FSDP root before its
-        first forward (after it, every later call of torch's FSDP fails its
+        lazy initialisation (after it, every later call of torch's FSDP fails its
         root check)."""
         if misuse == "state_dict inside summon" and self._may_save_inside_summon():
             self._add(sc.SaveStateDict())
@@ -506,10 +495,27 @@ class ProgramMachine(RuleBasedStateMachine):
             self._add(sc.WrapAgain())
 
     def _may_save_inside_summon(self) -> bool:
-        return self._in("summon") and self.TARGET.asks("STATE_DICT_INSIDE_SUMMON")
+        rank0_only = any(
+            isinstance(op, sc.EnterSummon) and op.rank0_only for op in self._open_summons()
+        )
+        return self._in("summon") and self.TARGET.may_save_inside_summon(self.settings, rank0_only)
+
+    def _open_summons(self) -> list[sc.EnterSummon]:
+        """The summons entered and not left (contexts are closed innermost first)."""
+        opened: list[sc.Op] = []
+        for op in self.ops:
+            if isinstance(op, (sc.EnterSummon, sc.EnterNoSync, sc.EnterStateDictType)):
+                opened.append(op)
+            elif isinstance(op, sc.Exit) and opened:
+                opened.pop()
+        return [op for op in opened if isinstance(op, sc.EnterSummon)]
 
     def _may_wrap_again(self) -> bool:
-        return not self.inited and not self.contexts and self.TARGET.asks("WRAP_AGAIN")
+        """Not inside a context; after a call that lazily initialises the root (a
+        forward, a state dict, a summon, ...) only where the reference allows it."""
+        quiet = (sc.Train, sc.ZeroGrad, sc.SetStateDictType)
+        initialised = not all(isinstance(op, quiet) for op in self.ops)
+        return not self.contexts and self.TARGET.may_wrap_again(self.setup, initialised)
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fsdptest.conformance import scenario as sc
 from fsdptest.conformance.implementation import FsdpApi
@@ -153,6 +154,8 @@ class Run:
                 context.__exit__(None, None, None)
 
     def _release(self) -> None:
+        if self.model is not None:
+            _drop_parameter_hooks(self.model)
         self.model = self.optim = self.loss = None
         self._saved.clear()
         self._saved_optim.clear()
@@ -489,6 +492,29 @@ class Run:
             self._note("full parameters", dict(self.model.named_parameters()))
         with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
             self._note("full state dict", self.model.state_dict())
+
+
+def _drop_parameter_hooks(model: nn.Module) -> None:
+    """Removes the autograd hooks an implementation keeps on its parameters and
+    clears their attributes, at the end of a run.
+
+    [Note: Runs that stop in a forward]
+    An FSDP hooks each flat parameter's AccumulateGrad node in its forward and
+    removes the hook after the backward. A run that stops in between (a forward
+    that raised) leaves it: the node keeps its hooks in C++, the hook the unit's
+    state, the state the node (torch's through the flat parameter's
+    ``_post_backward_hook_state``), a cycle the garbage collector cannot see, so
+    the unit and its process groups would outlive the scenario. Hooks are
+    removed through their handles (in the parameters' attributes, as torch keeps
+    them); the model is not used after this."""
+    with contextlib.suppress(Exception):
+        for param in model.parameters():
+            attributes = getattr(param, "__dict__", {})
+            for value in list(attributes.values()):
+                for item in value if isinstance(value, tuple) else (value,):
+                    if isinstance(item, RemovableHandle):
+                        item.remove()
+            attributes.clear()
 
 
 def _own_group(layout: list[list[int]], rank: int) -> Any:
