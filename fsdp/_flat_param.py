@@ -563,6 +563,9 @@ class FlatParamHandle:
     def take_unsharded_grad(self) -> Tensor | None:
         return self.grads.take_unsharded()
 
+    def grad_set_aside(self) -> Tensor | None:
+        return self.grads.set_aside
+
     def set_reduced_grad(self, reduced: Tensor) -> None:
         self.grads.set_reduced(reduced, self.grad_dtype())
 

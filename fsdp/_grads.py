@@ -150,6 +150,11 @@ class FlatParamGrads:
         flat_param.grad = None
         self._exposed = None
 
+    @property
+    def set_aside(self) -> Tensor | None:
+        """The gradient from an earlier backward that ``set_reduced`` adds, if any."""
+        return self._saved_shard
+
     def take_unsharded(self) -> Tensor | None:
         """Removes the gradient autograd accumulated, for reduction."""
         assert self.state is ReduceState.IDLE, self.state

@@ -68,7 +68,9 @@ saved group's hyperparameters are kept.
 [Note: Rank-0-only loading]
 Only rank 0 has the dict. It broadcasts the dict's skeleton, every
 positive-dimension tensor replaced by its shape and dtype, then each of those
-tensors in skeleton order; every rank then has the full dict and flattens its
+tensors in torch's order: the parameters' state in model order (each FQN's values
+in its state's order), then any other tensor in skeleton order. Every rank, rank
+0 too, keeps the broadcast tensors, on the device (as torch), then flattens its
 own part.
 """
 
@@ -86,7 +88,12 @@ from torch.distributed._shard.sharded_tensor import (
     ShardedTensor,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import (
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map_only,
+    tree_unflatten,
+)
 
 from fsdp import _comm
 from fsdp._common import clean_tensor_name
@@ -759,26 +766,47 @@ def optim_state_dict(
 # -- loading: full / sharded -> local --------------------------------------------------------
 
 
-def _receive_from_rank0(osd: OSD, group: Any, device: torch.device) -> OSD:
-    """Rank 0's ``osd`` on every rank of ``group`` (see [Note: Rank-0-only loading])."""
+def _receive_from_rank0(osd: OSD, group: Any, params: ModelParams) -> OSD:
+    """Rank 0's ``osd`` on every rank of ``group``, its broadcast tensors on the
+    device on every rank (see [Note: Rank-0-only loading])."""
+    device = params.device
     is_src = group.rank() == 0
     skeleton = tree_map_only(Tensor, _skeleton_leaf, osd) if is_src else None
     skeleton = _comm.broadcast_object(skeleton, 0, group, device)
-    leaves, spec = tree_flatten(skeleton)
-    src_leaves = tree_flatten(osd)[0] if is_src else leaves
+    with_paths, spec = tree_flatten_with_path(skeleton)
+    received = [leaf for _, leaf in with_paths]
+    src_leaves = tree_flatten(osd)[0] if is_src else received
     src = _comm.group_ranks(group)[0]
-    received = []
-    for leaf, src_leaf in zip(leaves, src_leaves):
-        if isinstance(leaf, _TensorMeta):
-            tensor = (
-                src_leaf.to(device)
-                if is_src
-                else torch.empty(leaf.shape, dtype=leaf.dtype, device=device)
-            )
-            _comm.broadcast(tensor, src, group)
-            leaf = src_leaf if is_src else tensor
-        received.append(leaf)
+    for index in _broadcast_order([path for path, _ in with_paths], received, params):
+        meta = received[index]
+        tensor = (
+            src_leaves[index].to(device)
+            if is_src
+            else torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        )
+        _comm.broadcast(tensor, src, group)
+        received[index] = tensor
     return tree_unflatten(received, spec)
+
+
+def _broadcast_order(
+    paths: list[tuple[Any, ...]], leaves: list[Any], params: ModelParams
+) -> list[int]:
+    """Indices of the skeleton's tensors in torch's broadcast order: parameters'
+    state in model order (each FQN's values in its state's order), then the rest
+    in skeleton order."""
+    by_fqn: dict[Any, list[int]] = {}
+    rest: list[int] = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        if not isinstance(leaf, _TensorMeta):
+            continue
+        keys = [getattr(entry, "key", None) for entry in path]
+        if len(keys) == 3 and keys[0] == "state":
+            by_fqn.setdefault(keys[1], []).append(i)
+        else:
+            rest.append(i)
+    order = [i for fqns in params.fqns.values() for fqn in fqns for i in by_fqn.pop(fqn, [])]
+    return order + sorted(rest + [i for indices in by_fqn.values() for i in indices])
 
 
 def _skeleton_leaf(tensor: Tensor) -> Any:
@@ -868,7 +896,7 @@ def optim_state_dict_to_load(
     params.require_units()
     group = group or _comm.world()
     if rank0_only:
-        osd = _receive_from_rank0(osd if group.rank() == 0 else {}, group, params.device)
+        osd = _receive_from_rank0(osd if group.rank() == 0 else {}, group, params)
     if "state" not in osd:
         raise ValueError(
             '`optim_state_dict` must have the keys "state" to be a valid optimizer state dict'

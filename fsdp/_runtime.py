@@ -544,7 +544,7 @@ class FSDPState:
     def _reduce_grad(self, handle: FlatParamHandle) -> None:
         grad = handle.take_unsharded_grad()
         assert grad is not None
-        with self.root.streams.on_reduce(grad):
+        with self.root.streams.on_reduce(grad, handle.grad_set_aside()):
             reduce_dtype = handle.reduce_dtype()
             if grad.dtype != reduce_dtype and not _is_low_precision_hook(self.comm_hook):
                 grad = grad.to(reduce_dtype)

@@ -16,9 +16,12 @@ stream, so communication overlaps the computation on the current stream.
   stream: before it is freed it is recorded on the current stream, so the
   caching allocator does not hand it out again before that use has finished.
 - The reduce stream waits for the current stream before each reduction (the
-  gradient was just computed there); the gradient is recorded on the reduce
-  stream before its last reference is dropped. At the end of backward the
-  current stream waits for the reduce stream.
+  gradient was just computed there); the gradient, and a gradient set aside
+  before this backward that the reduced shard is added to, are recorded on the
+  reduce stream before their last reference is dropped (a gradient the user
+  assigned between backward and step was allocated on the current stream,
+  which would otherwise reuse its memory while the addition is still pending).
+  At the end of backward the current stream waits for the reduce stream.
 - ``limit_all_gathers``: at most two unsharded buffers are in flight; before a
   third all-gather the CPU waits until the oldest freed buffer's last use ran.
 
@@ -110,13 +113,17 @@ class CommStreams:
             self._free_events.popleft().synchronize()
 
     @contextlib.contextmanager
-    def on_reduce(self, grad: Tensor) -> Iterator[None]:
-        """Runs a reduction of ``grad`` (computed on the current stream)."""
+    def on_reduce(self, grad: Tensor, set_aside: Tensor | None = None) -> Iterator[None]:
+        """Runs a reduction of ``grad`` (computed on the current stream) that also
+        reads ``set_aside``, a gradient from before this backward (perhaps assigned
+        by the user on the current stream), if any."""
         if self.reduce is None:
             yield
             return
         self.reduce.wait_stream(self.current())
         grad.record_stream(self.reduce)
+        if set_aside is not None and set_aside.device.type == "cuda":
+            set_aside.record_stream(self.reduce)
         with torch.cuda.stream(self.reduce):
             yield
 

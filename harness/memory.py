@@ -73,7 +73,7 @@ class MemoryMeter:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda._clear_cublas_workspaces()  # not tensors: upstream clears them too
+            _clear_cublas_workspaces()  # not tensors: upstream clears them too
             self._cuda[key] = torch.cuda.memory_allocated(self.device)
             return
         with record_function(_MARK + key):
@@ -170,3 +170,14 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+def _clear_cublas_workspaces() -> None:
+    """Frees cuBLAS's workspaces: ``torch._C._cuda_clearCublasWorkspaces`` (what
+    upstream's tests call; ``torch.cuda`` has no public name for it on 2.11)."""
+    clear = getattr(torch.cuda, "_clear_cublas_workspaces", None) or getattr(
+        torch._C, "_cuda_clearCublasWorkspaces", None
+    )
+    if clear is None:
+        raise RuntimeError(f"torch {torch.__version__} has no call to clear cuBLAS workspaces")
+    clear()

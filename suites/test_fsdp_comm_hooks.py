@@ -338,8 +338,10 @@ class TestCommunicationHooks(FSDPTest):
 
     def test_low_precision_hook_record_stream_on_cpu(self) -> None:
         """For a CPU gradient torch's low-precision hooks fail in ``_decompress`` (see
-        [Note: Low-precision hooks on the CPU]); asserted so that a fix in torch shows up."""
-        state = default_hooks.LowPrecisionState(process_group=_default_group())
+        [Note: Low-precision hooks on the CPU]); asserted so that a fix in torch shows up.
+        The CPU gradient is reduced over a gloo group: NCCL has no CPU backend."""
+        group = dist.new_group(backend="gloo")
+        state = default_hooks.LowPrecisionState(process_group=group)
         grad = torch.ones(4)
         with self.assertRaisesRegex(RuntimeError, "unknown parameter type"):
             default_hooks.fp16_compress_hook(state, grad)

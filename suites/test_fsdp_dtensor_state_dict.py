@@ -198,7 +198,7 @@ class TestFSDPWithDeviceMeshAndDTensor(FSDPTest):
                 if name == "step":
                     self.assertEqual(value, sharded_osd["state"][fqn][name])
                 else:
-                    self._assert_same_local(value, sharded_osd["state"][fqn][name], True)
+                    self._assert_same_local(value, sharded_osd["state"][fqn][name], offload_to_cpu)
 
     def _assert_same_local(self, dtensor: Any, sharded: Any, on_cpu: bool) -> None:
         self.assertEqual(type(dtensor), DTensor)

@@ -107,7 +107,8 @@ def _assert_module_states(
     collectives need numpy, which this environment lacks)."""
     tensors = [t.detach() for _, t in model.named_parameters()]
     tensors += [t.detach() for _, t in model.named_buffers()]
-    local = torch.cat([t.reshape(-1).float() for t in tensors])
+    # On the rank's device (a CPU module too): NCCL gathers device tensors only.
+    local = torch.cat([t.reshape(-1).float() for t in tensors]).to(test.device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     sizes = [t.numel() for t in tensors]
