@@ -60,6 +60,8 @@ LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("harness.plugin", "harness._controller.dispatch"): _EVERY_SESSION,
     ("harness.plugin", "harness._torchrun.session"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.properties.search"): _EVERY_SESSION,
+    ("fsdptest.plugin", "fsdptest.conformance.search"): _EVERY_SESSION,
+    ("fsdptest.plugin", "fsdptest.conformance.scenario"): _EVERY_SESSION,
 }
 
 
