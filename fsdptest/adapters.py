@@ -136,6 +136,8 @@ class KnownDefects:
     cannot_summon_low_precision_grads: bool = False
     """summon_full_params(with_grads=True) under keep_low_precision_grads raises
     (suites/test_property_findings.py, fsdptest/properties/lockstep.py)."""
+    tied_parameter_low_precision_gradients: bool = False
+    """suites/test_property_findings.py::test_tied_parameter_with_low_precision_gradients."""
     local_state_dict_keeps_flat_param_key: bool = False
     """LOCAL_STATE_DICT with use_orig_params=True is saved under ``_flat_param``
     and that key is rejected on load (suites/test_property_findings.py,
