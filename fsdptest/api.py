@@ -48,50 +48,24 @@ where a suite asserts the limitation instead (``torch_refuses_cpu_offload``),
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import unittest
-from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fsdptest._constants import IMPL_ENV, TORCH_CPU_OFFLOAD_ERROR, TORCH_CPU_OFFLOAD_SKIP
+from fsdptest._constants import IMPL_ENV
+from fsdptest.adapters import (
+    PRIVATE_NAMES,
+    Adapter,
+    Seams,
+    UnavailablePart,
+    adapter_for,
+    checked_private_names,
+)
 from fsdptest.implementations import Implementation, resolve
 from harness import current_device
-
-if TYPE_CHECKING:  # the public names as a type checker sees them: ours mirror torch's
-    from fsdp import (
-        BackwardPrefetch,
-        CPUOffload,
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
-        FullyShardedDataParallel,
-        LocalOptimStateDictConfig,
-        LocalStateDictConfig,
-        MixedPrecision,
-        OptimStateKeyType,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        ShardingStrategy,
-        StateDictSettings,
-        StateDictType,
-    )
-    from fsdp.sharded_grad_scaler import ShardedGradScaler
-    from fsdp.wrap import (
-        CustomPolicy,
-        ModuleWrapPolicy,
-        _or_policy,
-        _Policy,
-        _wrap_module_cls_individually,
-        always_wrap_policy,
-        enable_wrap,
-        lambda_auto_wrap_policy,
-        size_based_auto_wrap_policy,
-        transformer_auto_wrap_policy,
-        wrap,
-    )
 
 PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "": (
@@ -140,11 +114,6 @@ REQUIRED = (
 
 class MissingFromImplementation(ImportError):
     """A public FSDP name the implementation under test does not have."""
-
-
-class UnavailablePart(unittest.SkipTest, AttributeError):
-    """A private part of ours and torch's FSDP that the implementation under test
-    does not have: the test using it is skipped."""
 
 
 class PublicAPI:
@@ -211,250 +180,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass(frozen=True)
-class Seams:
-    """Dotted paths of the runtime functions the seed tests patch with ``mock.patch``."""
+ADAPTER: Adapter = adapter_for(IMPLEMENTATION, _PUBLIC.found)
+globals().update(ADAPTER.public_overrides())
+globals().update(checked_private_names(ADAPTER))
 
-    register_pre_backward_hooks: str
-    register_post_backward_hook: str
-    reshard: str
-    post_backward_reshard: str  # once per unit and backward, from its post-backward hooks
-    get_handle_to_prefetch: str
-    """Called as ``(state, current_handle)`` in each unit's forward, pre- and
-    post-backward; returns the handle to prefetch, or None."""
-
-
-class _Unavailable(type):
-    """A private name the implementation under test lacks: using it skips the test
-    (an ``AttributeError`` too, so ``hasattr`` answers False)."""
-
-    reason: str
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):  # Python's and tools' protocol probes
-            raise AttributeError(name)
-        raise UnavailablePart(cls.reason)
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        raise UnavailablePart(cls.reason)
-
-    def __instancecheck__(cls, obj: object) -> bool:
-        raise UnavailablePart(cls.reason)
-
-    def __iter__(cls) -> Any:
-        raise UnavailablePart(cls.reason)
-
-
-def _unavailable(name: str, reason: str | None = None) -> Any:
-    """A stand-in for the private part ``name``: using it skips the test with
-    ``reason`` (default: the implementation under test does not have it)."""
-    if reason is None:
-        reason = (
-            f"needs {name}, a private part of this project's and torch's FSDP that the FSDP "
-            f"under test ({IMPLEMENTATION.describe()}) does not have"
-        )
-    return _Unavailable(name, (), {"reason": reason})
-
-
-EXEC_ORDER_TRACER_MISSING = (
-    "needs _ExecOrderTracer (torch.distributed.fsdp._trace_utils), torch's recorder of the "
-    "module and parameter order of a torch.fx symbolic trace; no FSDP code path of torch's "
-    "uses it any more and this project's FSDP has no counterpart (it records the execution "
-    "order at run time: fsdp._exec_order)"
-)
-
-if IMPL == "torch":
-    import torch.distributed.fsdp as _torch_fsdp
-    from torch.distributed.fsdp._common_utils import (
-        FSDP_PREFIX,
-        _get_handle_fqns_from_root,
-        _get_param_to_fqns,
-        clean_tensor_name,
-    )
-    from torch.distributed.fsdp._flat_param import (
-        _FSDP_SKIP_WRITEBACK_CHECK,
-        _FSDP_USE_FULL_PREC_IN_EVAL,
-        _FSDP_USE_UNSAFE_SETATTR,
-        FlatParameter,
-        FlatParamHandle,
-        FlatParamShardMetadata,
-        HandleShardingStrategy,
-        HandleTrainingState,
-    )
-    from torch.distributed.fsdp._init_utils import (
-        HYBRID_SHARDING_STRATEGIES,
-        NO_RESHARD_AFTER_FORWARD_STRATEGIES,
-        _init_intra_and_inter_node_groups,
-    )
-    from torch.distributed.fsdp._runtime_utils import (
-        HOMOGENEOUS_ATTR_NAMES,
-        _get_training_state,
-    )
-    from torch.distributed.fsdp._shard_utils import (
-        _all_gather_dtensor,
-        _create_chunk_dtensor,
-        _create_chunk_sharded_tensor,
-    )
-    from torch.distributed.fsdp._trace_utils import _ExecOrderTracer
-    from torch.distributed.fsdp._wrap_utils import _validate_frozen_params
-    from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
-    from torch.distributed.utils import _apply_to_tensors, _replace_by_prefix
-
-    _TorchFSDP = _torch_fsdp.FullyShardedDataParallel
-
-    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
-        """The names of the handle's original parameters, relative to its unit's module."""
-        return tuple(handle.flat_param._fqns)
-
-    _SIGNATURE = inspect.signature(_TorchFSDP.__init__)
-
-    class _AcceptsEveryTorchFSDP(type):
-        def __instancecheck__(cls, obj: object) -> bool:
-            return isinstance(obj, _TorchFSDP)
-
-        def __subclasscheck__(cls, sub: type) -> bool:
-            return issubclass(sub, _TorchFSDP)
-
-    class FullyShardedDataParallel(_TorchFSDP, metaclass=_AcceptsEveryTorchFSDP):  # type: ignore[misc]
-        """Torch's FSDP, given the rank's device on CPU runs (see the module note)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            if current_device().type == "cpu":
-                bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
-                offload = bound.get("cpu_offload")
-                if offload is not None and offload.offload_params:
-                    raise unittest.SkipTest(TORCH_CPU_OFFLOAD_SKIP)
-                if bound.get("device_id") is None:
-                    kwargs["device_id"] = torch.device("cpu")
-            super().__init__(*args, **kwargs)
-
-    fully_shard = None
-    FULLY_SHARD_MISSING = (
-        "torch.distributed.fsdp no longer has the composable fully_shard(module, policy=...) "
-        "of FSDP1 (torch.distributed._composable.fully_shard is FSDP2, another API)"
-    )
-    SEAMS = Seams(
-        register_pre_backward_hooks="torch.distributed.fsdp._runtime_utils._register_pre_backward_hooks",
-        register_post_backward_hook="torch.distributed.fsdp._runtime_utils._register_post_backward_hook",
-        reshard="torch.distributed.fsdp._runtime_utils._reshard",
-        post_backward_reshard="torch.distributed.fsdp._runtime_utils._post_backward_reshard",
-        get_handle_to_prefetch="torch.distributed.fsdp._runtime_utils._get_handle_to_prefetch",
-    )
-elif IMPL == "local":
-    from fsdp._common import (
-        _FSDP_SKIP_WRITEBACK_CHECK,
-        _FSDP_USE_FULL_PREC_IN_EVAL,
-        _FSDP_USE_UNSAFE_SETATTR,
-        FLAT_PARAM,
-        FSDP_PREFIX,
-        HYBRID_SHARDING_STRATEGIES,
-        NO_RESHARD_AFTER_FORWARD_STRATEGIES,
-        HandleTrainingState,
-        clean_tensor_name,
-    )
-    from fsdp._composable import fully_shard
-    from fsdp._flat_param import (
-        FlatParameter,
-        FlatParamHandle,
-        FlatParamShardMetadata,
-        HandleShardingStrategy,
-    )
-    from fsdp._init import _init_intra_and_inter_node_groups
-    from fsdp._optim_state_dict import _get_param_to_fqns
-    from fsdp._runtime import HOMOGENEOUS_ATTR_NAMES
-    from fsdp._shard_utils import (
-        _all_gather_dtensor,
-        _create_chunk_dtensor,
-        _create_chunk_sharded_tensor,
-    )
-    from fsdp._utils import _apply_to_tensors, _replace_by_prefix
-    from fsdp.wrap import _validate_frozen_params
-
-    FULLY_SHARD_MISSING = ""
-    _ExecOrderTracer = _unavailable("_ExecOrderTracer", EXEC_ORDER_TRACER_MISSING)
-    SEAMS = Seams(
-        register_pre_backward_hooks="fsdp._runtime.FSDPState._register_pre_backward_hooks",
-        register_post_backward_hook="fsdp._runtime.FSDPState._register_post_backward_hook",
-        reshard="fsdp._flat_param.FlatParamHandle.reshard",
-        post_backward_reshard="fsdp._runtime.FSDPState._post_backward_reshard",
-        get_handle_to_prefetch="fsdp._runtime.FSDPState._get_handle_to_prefetch",
-    )
-
-    def handle_fqns(handle: FlatParamHandle) -> tuple[str, ...]:
-        """The names of the handle's original parameters, relative to its unit's module."""
-        return handle.fqns
-
-    def _get_training_state(handle: FlatParamHandle) -> HandleTrainingState:
-        """torch's ``_runtime_utils._get_training_state``."""
-        return handle.training_state
-
-    def _get_handle_fqns_from_root(state: Any, handle: FlatParamHandle | None) -> list[str] | None:
-        """torch's ``_common_utils._get_handle_fqns_from_root``: the names of the
-        handle's original parameters as seen from the root, None for no handle."""
-        return None if handle is None else state.root.exec_order.fqns[handle]
-
-
-else:
-
-    def _without_wrapper_prefixes(tensor_name: str) -> str:
-        """torch's ``clean_tensor_name``: the name without FSDP's and activation
-        checkpointing's wrapper prefixes."""
-        for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
-            tensor_name = tensor_name.replace(prefix, "")
-        return tensor_name
-
-    clean_tensor_name = getattr(
-        importlib.import_module(IMPLEMENTATION.module),
-        "clean_tensor_name",
-        _without_wrapper_prefixes,
-    )
-    NO_RESHARD_AFTER_FORWARD_STRATEGIES = tuple(
-        getattr(ShardingStrategy, name)
-        for name in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
-        if hasattr(ShardingStrategy, name)
-    )
-    _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
-    _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
-    _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
-    FLAT_PARAM = "_flat_param"
-    FSDP_PREFIX = "_fsdp_wrapped_module."
-    HYBRID_SHARDING_STRATEGIES = tuple(
-        getattr(ShardingStrategy, name)
-        for name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-        if hasattr(ShardingStrategy, name)
-    )
-    HOMOGENEOUS_ATTR_NAMES = _unavailable("HOMOGENEOUS_ATTR_NAMES")
-    _init_intra_and_inter_node_groups = _unavailable("_init_intra_and_inter_node_groups")
-    _apply_to_tensors = _unavailable("_apply_to_tensors")
-    _replace_by_prefix = _unavailable("_replace_by_prefix")
-    fully_shard = None
-    FULLY_SHARD_MISSING = (
-        f"the composable fully_shard(module, policy=...) of FSDP1 is this project's; the FSDP "
-        f"under test ({IMPLEMENTATION.describe()}) is tested through its wrapper class"
-    )
-    SEAMS = _unavailable("SEAMS (the runtime functions tests patch)")
-    FlatParameter = _unavailable("FlatParameter")
-    FlatParamHandle = _unavailable("FlatParamHandle")
-    FlatParamShardMetadata = _unavailable("FlatParamShardMetadata")
-    HandleShardingStrategy = _unavailable("HandleShardingStrategy")
-    HandleTrainingState = _unavailable("HandleTrainingState")
-    _get_training_state = _unavailable("_get_training_state")
-    _get_handle_fqns_from_root = _unavailable("_get_handle_fqns_from_root")
-    _validate_frozen_params = _unavailable("_validate_frozen_params")
-    _get_param_to_fqns = _unavailable("_get_param_to_fqns")
-    _create_chunk_sharded_tensor = _unavailable("_create_chunk_sharded_tensor")
-    _create_chunk_dtensor = _unavailable("_create_chunk_dtensor")
-    _all_gather_dtensor = _unavailable("_all_gather_dtensor")
-    _ExecOrderTracer = _unavailable("_ExecOrderTracer")
-
-
-FSDP = FullyShardedDataParallel
+FSDP = globals()["FullyShardedDataParallel"]
 
 
 def torch_refuses_cpu_offload(cpu_offload: Any) -> bool:
-    """Torch's FSDP on a CPU run asked to offload parameters (see the module note)."""
-    offloads = cpu_offload is not None and cpu_offload.offload_params
-    return IMPL == "torch" and current_device().type == "cpu" and offloads
+    """The implementation on a CPU run asked to offload parameters where it cannot
+    (torch's FSDP: see the module note)."""
+    return ADAPTER.limitations.refuses_cpu_offload(cpu_offload)
 
 
 def assert_torch_refuses_cpu_offload(
@@ -464,83 +200,23 @@ def assert_torch_refuses_cpu_offload(
     with parameter offloading on a CPU run, raises ``TORCH_CPU_OFFLOAD_ERROR`` by
     its first forward, where it pins the shard's memory (the facade would skip
     instead)."""
-    if IMPL != "torch":
-        raise AssertionError("only torch's FSDP refuses to offload on a CPU run")
-    with case.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
-        model = _TorchFSDP(
-            module, device_id=torch.device("cpu"), cpu_offload=CPUOffload(offload_params=True)
-        )
-        param = next(module.parameters())
-        model(torch.zeros(1, in_features, dtype=param.dtype)).sum().backward()
+    ADAPTER.assert_refuses_cpu_offload(case, module, in_features)
 
 
 __all__ = [
-    "EXEC_ORDER_TRACER_MISSING",
-    "FLAT_PARAM",
-    "_ExecOrderTracer",
-    "_all_gather_dtensor",
-    "_create_chunk_dtensor",
-    "_create_chunk_sharded_tensor",
-    "_get_param_to_fqns",
-    "FSDP_PREFIX",
-    "HOMOGENEOUS_ATTR_NAMES",
-    "HYBRID_SHARDING_STRATEGIES",
-    "_FSDP_USE_UNSAFE_SETATTR",
-    "_apply_to_tensors",
-    "_init_intra_and_inter_node_groups",
-    "_replace_by_prefix",
-    "assert_torch_refuses_cpu_offload",
-    "torch_refuses_cpu_offload",
+    *(name for names in PUBLIC_NAMES.values() for name in names),
+    *PRIVATE_NAMES,
+    "ADAPTER",
     "FSDP",
-    "FULLY_SHARD_MISSING",
     "IMPL",
     "IMPLEMENTATION",
     "PUBLIC_NAMES",
     "REQUIRED",
     "MissingFromImplementation",
-    "UnavailablePart",
     "Seams",
-    "NO_RESHARD_AFTER_FORWARD_STRATEGIES",
-    "SEAMS",
-    "_FSDP_SKIP_WRITEBACK_CHECK",
-    "_FSDP_USE_FULL_PREC_IN_EVAL",
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CustomPolicy",
-    "FlatParamHandle",
-    "FlatParamShardMetadata",
-    "FlatParameter",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "HandleShardingStrategy",
-    "LocalOptimStateDictConfig",
-    "HandleTrainingState",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "ModuleWrapPolicy",
-    "OptimStateKeyType",
-    "ShardedGradScaler",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictSettings",
-    "StateDictType",
-    "_Policy",
-    "_get_handle_fqns_from_root",
-    "_get_training_state",
-    "_or_policy",
-    "_validate_frozen_params",
-    "_wrap_module_cls_individually",
-    "always_wrap_policy",
-    "clean_tensor_name",
+    "UnavailablePart",
+    "assert_torch_refuses_cpu_offload",
     "current_device",
     "provides",
-    "enable_wrap",
-    "fully_shard",
-    "handle_fqns",
-    "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-    "wrap",
+    "torch_refuses_cpu_offload",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdptest.api import FSDP, IMPL, FullStateDictConfig, StateDictType
+from fsdptest.api import ADAPTER, FSDP, FullStateDictConfig, StateDictType
 from harness import current_device
 from harness.assertions import Assertions
 
@@ -39,7 +39,7 @@ TORCH_SYNC_MODULE_STATES_ERROR = (
 
 def torch_on_cpu() -> bool:
     """Whether torch's FSDP is under test on CPU ranks."""
-    return IMPL == "torch" and current_device().type == "cpu"
+    return ADAPTER.limitations.on_cpu
 
 
 def assert_cannot_offload_full_state_dict(case: Assertions, rank: int) -> None:

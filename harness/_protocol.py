@@ -104,14 +104,6 @@ class SubtestCounts:
     skipped: int = 0
     deselected: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "ran": self.ran,
-            "failed": self.failed,
-            "skipped": self.skipped,
-            "deselected": self.deselected,
-        }
-
 
 @dataclass(frozen=True)
 class BodyReturned:

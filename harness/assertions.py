@@ -12,6 +12,7 @@ import math
 import unittest
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,16 @@ def _tensor_pair(actual: object, expected: object) -> tuple[torch.Tensor, torch.
     return None
 
 
+@dataclass(frozen=True)
+class _Tolerance:
+    """How ``assert_equal`` compares leaves (its keyword arguments)."""
+
+    rtol: float | None
+    atol: float | None
+    exact_dtype: bool
+    exact_device: bool
+
+
 def assert_equal(
     actual: object,
     expected: object,
@@ -55,71 +66,78 @@ def assert_equal(
     exact_device: bool = False,
     path: str = "",
 ) -> None:
+    _compare(actual, expected, msg, _Tolerance(rtol, atol, exact_dtype, exact_device), path)
+
+
+def _compare(actual: object, expected: object, msg: str | None, tol: _Tolerance, path: str) -> None:
     where = f" at {path}" if path else ""
     pair = _tensor_pair(actual, expected)
     if pair is not None:
-        try:
-            torch.testing.assert_close(
-                pair[0],
-                pair[1],
-                rtol=rtol,
-                atol=atol,
-                equal_nan=True,
-                check_dtype=exact_dtype,
-                check_device=exact_device,
-            )
-            return
-        except AssertionError as exc:
-            problem = str(exc)
-        _fail(f"Tensors are not equal{where}: {problem}", msg)
-        return
-    if isinstance(actual, Mapping) and isinstance(expected, Mapping):
-        if set(actual) != set(expected):
-            _fail(
-                f"Mappings have different keys{where}: {sorted(map(str, actual))} vs "
-                f"{sorted(map(str, expected))}",
-                msg,
-            )
-        for key in actual:
-            assert_equal(
-                actual[key],
-                expected[key],
-                msg,
-                rtol=rtol,
-                atol=atol,
-                exact_dtype=exact_dtype,
-                exact_device=exact_device,
-                path=f"{path}[{key!r}]",
-            )
-        return
-    if _is_sequence(actual) and _is_sequence(expected):
-        a, e = list(actual), list(expected)  # type: ignore[call-overload]
-        if len(a) != len(e):
-            _fail(f"Sequences have different lengths{where}: {len(a)} vs {len(e)}", msg)
-        for i, (x, y) in enumerate(zip(a, e)):
-            assert_equal(
-                x,
-                y,
-                msg,
-                rtol=rtol,
-                atol=atol,
-                exact_dtype=exact_dtype,
-                exact_device=exact_device,
-                path=f"{path}[{i}]",
-            )
-        return
-    if (
-        _is_number(actual)
-        and _is_number(expected)
-        and (isinstance(actual, float) or isinstance(expected, float))
-    ):
-        tol_r = 1.3e-6 if rtol is None else rtol
-        tol_a = 1e-5 if atol is None else atol
+        _compare_tensors(pair, msg, tol, where)
+    elif isinstance(actual, Mapping) and isinstance(expected, Mapping):
+        _compare_mappings(actual, expected, msg, tol, path)
+    elif _is_sequence(actual) and _is_sequence(expected):
+        _compare_sequences(list(actual), list(expected), msg, tol, path)  # type: ignore[call-overload]
+    elif _is_float_pair(actual, expected):
+        tol_r = 1.3e-6 if tol.rtol is None else tol.rtol
+        tol_a = 1e-5 if tol.atol is None else tol.atol
         if not math.isclose(actual, expected, rel_tol=tol_r, abs_tol=tol_a):  # type: ignore[arg-type]
             _fail(f"Numbers are not close{where}: {actual!r} vs {expected!r}", msg)
-        return
-    if actual != expected:
+    elif actual != expected:
         _fail(f"Values are not equal{where}: {actual!r} != {expected!r}", msg)
+
+
+def _compare_tensors(
+    pair: tuple[torch.Tensor, torch.Tensor], msg: str | None, tol: _Tolerance, where: str
+) -> None:
+    try:
+        torch.testing.assert_close(
+            pair[0],
+            pair[1],
+            rtol=tol.rtol,
+            atol=tol.atol,
+            equal_nan=True,
+            check_dtype=tol.exact_dtype,
+            check_device=tol.exact_device,
+        )
+        return
+    except AssertionError as exc:
+        problem = str(exc)
+    _fail(f"Tensors are not equal{where}: {problem}", msg)
+
+
+def _compare_mappings(
+    actual: Mapping[Any, Any],
+    expected: Mapping[Any, Any],
+    msg: str | None,
+    tol: _Tolerance,
+    path: str,
+) -> None:
+    if set(actual) != set(expected):
+        where = f" at {path}" if path else ""
+        _fail(
+            f"Mappings have different keys{where}: {sorted(map(str, actual))} vs "
+            f"{sorted(map(str, expected))}",
+            msg,
+        )
+    for key in actual:
+        _compare(actual[key], expected[key], msg, tol, f"{path}[{key!r}]")
+
+
+def _compare_sequences(
+    actual: list[Any], expected: list[Any], msg: str | None, tol: _Tolerance, path: str
+) -> None:
+    if len(actual) != len(expected):
+        where = f" at {path}" if path else ""
+        _fail(f"Sequences have different lengths{where}: {len(actual)} vs {len(expected)}", msg)
+    for i, (x, y) in enumerate(zip(actual, expected)):
+        _compare(x, y, msg, tol, f"{path}[{i}]")
+
+
+def _is_float_pair(actual: object, expected: object) -> bool:
+    """Two numbers of which at least one is a float (compared with a tolerance)."""
+    numbers = _is_number(actual) and _is_number(expected)
+    return numbers and (isinstance(actual, float) or isinstance(expected, float))
 
 
 class Assertions:

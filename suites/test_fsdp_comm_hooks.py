@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.algorithms._comm_hooks import default_hooks
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, IMPL, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+from fsdptest.api import ADAPTER, FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from harness import current_device, parametrize
 
 SHARDING_STRATEGIES = [
@@ -259,7 +259,7 @@ class TestCommunicationHooks(FSDPTest):
             )
             dummy_state = DummyState(process_group=None, noise=1234)
             dummy_hook = DummyHook.dummy_hook_for_sharded_fsdp
-            if IMPL == "torch" and self.device.type == "cpu":
+            if ADAPTER.limitations.hybrid_falls_back_on_cpu:
                 # See [Note: Hybrid strategies on the CPU under torch's FSDP].
                 self.assertEqual(fsdp_model.sharding_strategy, ShardingStrategy.NO_SHARD)
                 fsdp_model.register_comm_hook(dummy_state, dummy_hook)

@@ -36,9 +36,9 @@ from torch.distributed.distributed_c10d import _rank_not_in_group
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
     HYBRID_SHARDING_STRATEGIES,
-    IMPL,
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
@@ -144,7 +144,7 @@ class TestFSDPHybridShard(FSDPTest):
             sync_module_states=True,
             process_group=(my_shard_group, my_replicate_group),
         )
-        if IMPL == "torch" and self.device.type == "cpu":
+        if ADAPTER.limitations.sync_module_states_on_cpu:
             with self.assertRaisesRegex(ValueError, TORCH_SYNC_MODULE_STATES_ON_CPU):
                 fsdp_ctor(model)
             return
@@ -201,7 +201,7 @@ class TestFSDPHybridShard(FSDPTest):
             use_orig_params,
             hsdp_device_mesh=device_mesh,
         )
-        if IMPL == "torch" and self.device.type == "cpu" and device_mesh is None:
+        if ADAPTER.limitations.hybrid_falls_back_on_cpu and device_mesh is None:
             self._check_torch_world_groups_on_cpu(hsdp_model, sharding_strategy_mode)
             return
         # The hybrid units' groups: the world shards, one rank replicates.

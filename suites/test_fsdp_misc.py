@@ -46,9 +46,9 @@ from fsdptest import FSDPTest
 from fsdptest.api import (
     _FSDP_USE_FULL_PREC_IN_EVAL,
     _FSDP_USE_UNSAFE_SETATTR,
+    ADAPTER,
     FSDP,
     HOMOGENEOUS_ATTR_NAMES,
-    IMPL,
     CPUOffload,
     FlatParameter,
     ModuleWrapPolicy,
@@ -74,7 +74,7 @@ TORCH_SYNC_MODULE_STATES_ON_CPU = (
 
 def _torch_cannot_sync_on(device: torch.device) -> bool:
     """See [Note: Devices on a CPU run]."""
-    return IMPL == "torch" and device.type == "cpu"
+    return ADAPTER.limitations.needs_accelerator and device.type == "cpu"
 
 
 class MyModel(nn.Module):
@@ -407,7 +407,7 @@ class TestFSDPMiscMultiProcess(FSDPTest):
         backward, and leave no gradient behind."""
         torch.manual_seed(0)
         for cpu_offload in [True, False]:
-            if cpu_offload and IMPL == "torch" and self.device.type == "cpu":
+            if cpu_offload and ADAPTER.limitations.cpu_offload_on_cpu:
                 continue  # torch cannot offload parameters without an accelerator
             offload = CPUOffload(offload_params=cpu_offload)
             model = MyModel().to(self.device)
@@ -542,7 +542,7 @@ class TestFSDPMiscMultiProcess(FSDPTest):
         nested = NestedWrappedModule.init(
             self.process_group, FSDPInitMode.NO_FSDP, DeviceInitMode.NEVER
         )
-        if self.device.type == "cpu" and IMPL == "local":
+        if self.device.type == "cpu" and ADAPTER.limitations.syncs_cpu_module_states:
             # The CPU is the compute device: the CPU module is synced.
             FSDP(nested, self.process_group, sync_module_states=True)
         else:

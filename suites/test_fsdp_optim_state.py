@@ -58,8 +58,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     OptimStateKeyType,
@@ -75,7 +75,7 @@ from models import TransformerWithSharedParams
 
 STATE_DICT_TYPES = [StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT]
 
-if IMPL == "torch":  # see [Note: Object collectives without numpy]
+if ADAPTER.limitations.optim_keys_need_numpy:  # see [Note: Object collectives without numpy]
     pytestmark = pytest.mark.requires_module(
         "numpy",
         reason="torch's FSDP sends optimizer state-dict keys with object collectives, "
@@ -290,7 +290,7 @@ def _torch_aliases_orig_param_states(
     offload = getattr(settings.optim_state_dict_config, "offload_to_cpu", True)
     sharded = group_size > 1
     return (
-        IMPL == "torch"
+        ADAPTER.known_defects.aliases_orig_param_optim_states_on_cpu
         and device.type == "cpu"
         and use_orig_params
         and full

@@ -51,8 +51,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     CPUOffload,
     ShardingStrategy,
     StateDictType,
@@ -114,7 +114,7 @@ class TestTPFSDPIntegration(FSDPTest):
     def _torch_tp_defects(self) -> bool:
         """Torch's optimizer-state defects of the module note show where the tensor-
         parallel group has more than one rank (global and local shapes differ)."""
-        return IMPL == "torch" and self.tp_size > 1
+        return ADAPTER.known_defects.tp_optim_state_shapes and self.tp_size > 1
 
     def test_fsdp_tp_integration(self) -> None:
         """FSDP over dp of a tensor-parallel MLP trains like DDP over dp: equal losses
@@ -269,7 +269,7 @@ class TestTPFSDPIntegration(FSDPTest):
         self._assert_sharded_values(sharded, full, mesh_2d)
         # torch's full optimizer state dict (use_orig_params=True): each tensor-parallel
         # parameter's exp_avg holds its exp_avg_sq's values
-        torch_swaps = IMPL == "torch" and use_orig_params
+        torch_swaps = ADAPTER.known_defects.tp_optim_state_shapes and use_orig_params
         names = ("exp_avg_sq",) if torch_swaps else ("exp_avg", "exp_avg_sq")
         for fqn, state in sharded_osd["state"].items():
             self._assert_sharded_values(
@@ -291,7 +291,7 @@ class TestTPFSDPIntegration(FSDPTest):
             if self._torch_tp_defects() and not use_orig_params:
                 with self.assertRaisesRegex(ValueError, TORCH_OPTIM_SHAPE_ERROR):
                     FSDP.optim_state_dict_to_load(model, optim, full_osd)
-            elif not (IMPL == "torch" and use_orig_params):
+            elif not (ADAPTER.known_defects.tp_optim_state_shapes and use_orig_params):
                 optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, full_osd))
                 self.assertEqual(FSDP.optim_state_dict(model, optim)["state"], full_osd["state"])
 
@@ -356,7 +356,11 @@ class TestTPFSDPIntegration(FSDPTest):
         flattening (its message depends on the model)."""
         mesh_2d = self._mesh_2d()
         tp_model = parallelize_module(MLPModule(self.device), mesh_2d["tp"], MLP_PLAN)
-        message = ".*" if IMPL == "torch" else "FSDP got the DTensor parameter net1.weight"
+        message = (
+            ".*"
+            if ADAPTER.known_defects.unnamed_dtensor_parameter_error
+            else "FSDP got the DTensor parameter net1.weight"
+        )
         with self.assertRaisesRegex(RuntimeError, message):
             FSDP(tp_model, process_group=mesh_2d["dp"].get_group())
 

@@ -29,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FLAT_PARAM,
     FSDP,
-    IMPL,
     CPUOffload,
     FlatParameter,
     FlatParamHandle,
@@ -52,7 +52,7 @@ TORCH_OFFLOAD_TO_CPU_ON_CPU = (
 
 
 def _skip_torch_offload_to_cpu_on_cpu(offload_to_cpu: bool) -> None:
-    if offload_to_cpu and IMPL == "torch" and current_device().type == "cpu":
+    if offload_to_cpu and ADAPTER.limitations.offload_to_cpu_on_cpu:
         pytest.skip(TORCH_OFFLOAD_TO_CPU_ON_CPU)
 
 

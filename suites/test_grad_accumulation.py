@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, IMPL, CPUOffload, ShardingStrategy, clean_tensor_name
+from fsdptest.api import ADAPTER, FSDP, CPUOffload, ShardingStrategy, clean_tensor_name
 from fsdptest.parity import EXACT, REORDERED_FP32, Tolerance
 from harness import current_device
 
@@ -177,8 +177,7 @@ class _GradAccumulation(FSDPTest):
         try:
             self._check(meshes, sharding, **kwargs)
         except unittest.SkipTest:
-            torch_offload = IMPL == "torch" and kwargs["offload"]
-            self.assertTrue(torch_offload and current_device().type == "cpu", "skipped")
+            self.assertTrue(kwargs["offload"] and ADAPTER.limitations.cpu_offload_on_cpu, "skipped")
             raise
 
     def _check(
@@ -195,7 +194,10 @@ class _GradAccumulation(FSDPTest):
         reference = _ddp(_net())
         # summon_full_params(with_grads=True) needs use_orig_params and no offload
         compare_grads = use_orig_params and not offload
-        if IMPL == "torch" and sharding.one_rank_shards:
+        if (
+            ADAPTER.known_defects.one_rank_shard_group_never_syncs_replicas
+            and sharding.one_rank_shards
+        ):
             # Torch's FSDP with a one-rank shard group switches to NO_SHARD
             # (_init_utils._init_core_state) and all-reduces over that group
             # only (_runtime_utils._reduce_grad_no_shard): the replicas never
@@ -203,7 +205,11 @@ class _GradAccumulation(FSDPTest):
             with self.assertRaises(AssertionError):
                 self._train_and_compare(model, reference, schedule, set_to_none, compare_grads)
             return
-        if IMPL == "torch" and offload and schedule.count(SYNC) > 1:
+        if (
+            ADAPTER.limitations.accumulation_outside_no_sync_with_offload
+            and offload
+            and schedule.count(SYNC) > 1
+        ):
             # Torch's FSDP documents this limitation ("Limitations" in the
             # FullyShardedDataParallel docstring): gradient accumulation outside
             # no_sync() does not work with CPU offloading. Asserted, so that a

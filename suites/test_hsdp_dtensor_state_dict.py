@@ -43,8 +43,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -53,6 +53,10 @@ from fsdptest.api import (
 from harness import current_device
 
 HYBRID_PLACEMENTS = (Replicate(), Shard(0))
+
+
+_TORCH_DEFECTS = ADAPTER.known_defects.hybrid_sharded_state_dicts_across_wrappings
+"""Torch's refusals and wrong loads of the module note."""
 
 
 class DenseModel(nn.Module):
@@ -245,7 +249,7 @@ class TestHSDPWithDeviceMeshAndDTensor(FSDPTest):
         )
 
     def _test_sharded_state_dicts_load_across_wrappings(self, source: str, target: str) -> None:
-        if IMPL == "torch" and source == "hybrid_groups" and target != "hybrid_groups":
+        if _TORCH_DEFECTS and source == "hybrid_groups" and target != "hybrid_groups":
             self.skipTest(
                 "torch's FSDP all-gathers ShardedTensors chunked over 2 ranks as if over its "
                 "own group of 4 (tensors of different sizes: gloo refuses, NCCL may hang)"
@@ -267,7 +271,7 @@ class TestHSDPWithDeviceMeshAndDTensor(FSDPTest):
         )
         if loaded:
             self.assertEqual(self._full_params(model), self._full_params(saved_model))
-        torch_gathers_wrongly = IMPL == "torch" and source == "no_mesh" and target in _HYBRID
+        torch_gathers_wrongly = _TORCH_DEFECTS and source == "no_mesh" and target in _HYBRID
         self._assert_optim_states(model, optim, saved_model, saved_optim, not torch_gathers_wrongly)
 
     def _load_model(
@@ -275,14 +279,14 @@ class TestHSDPWithDeviceMeshAndDTensor(FSDPTest):
     ) -> bool:
         """Loads ``state_dict`` into ``model``; returns whether the values must match
         (asserting torch's refusals and its wrong load)."""
-        torch_refusal = _torch_model_refusal(source, target) if IMPL == "torch" else None
+        torch_refusal = _torch_model_refusal(source, target) if _TORCH_DEFECTS else None
         if torch_refusal is not None:
             error, message = torch_refusal
             with self.assertRaisesRegex(error, message):
                 model.load_state_dict(state_dict)
             return False
         model.load_state_dict(state_dict)
-        if IMPL == "torch" and source == "no_mesh" and target == "hybrid_groups":
+        if _TORCH_DEFECTS and source == "no_mesh" and target == "hybrid_groups":
             self._assert_torch_loaded_wrong_values(model, state_dict)
             return False
         return True

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, IMPL, ShardingStrategy, clean_tensor_name
+from fsdptest.api import ADAPTER, FSDP, ShardingStrategy, clean_tensor_name
 from fsdptest.parity import EXACT, REORDERED_FP32, Tolerance
 from harness import current_device
 
@@ -50,7 +50,9 @@ def _mesh(world_size: int, rank: int, replicas: int) -> ProcessGroups:
 
 def _torch_defect(replicas: int, world_size: int) -> bool:
     """See [Note: torch's one-rank shard group defect]."""
-    return IMPL == "torch" and replicas == world_size
+    return (
+        ADAPTER.known_defects.one_rank_shard_group_never_syncs_replicas and replicas == world_size
+    )
 
 
 def _ddp(module: nn.Module) -> DDP:

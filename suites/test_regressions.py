@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -92,7 +92,7 @@ def _checksum_everywhere(test: FSDPTest, tensors: list[torch.Tensor]) -> None:
 
 def _cpu_offload_runs(offload: bool) -> bool:
     """Torch's FSDP cannot offload on a CPU-only run (see fsdptest.api)."""
-    return not (offload and IMPL == "torch" and current_device().type == "cpu")
+    return not (offload and ADAPTER.limitations.cpu_offload_on_cpu)
 
 
 class TestReductionDtype(FSDPTest):
@@ -317,7 +317,11 @@ class TestGradientAccumulation(FSDPTest):
         model = _offloadable_model(
             offload, sharding_strategy=sharding_strategy, use_orig_params=use_orig_params
         )
-        if IMPL == "torch" and offload and not use_no_sync:
+        if (
+            ADAPTER.limitations.accumulation_outside_no_sync_with_offload
+            and offload
+            and not use_no_sync
+        ):
             # Torch's FSDP documents this limitation ("Limitations" in the
             # FullyShardedDataParallel docstring): with CPU offload, gradient
             # accumulation outside no_sync() keeps only the newest reduced
@@ -412,7 +416,10 @@ class TestForwardsBeforeOneBackward(FSDPTest):
     def _check_dropped_first_forward(
         self, sharding_strategy: ShardingStrategy, param_dtype: torch.dtype | None
     ) -> None:
-        if IMPL == "torch" and param_dtype is not None:
+        if (
+            ADAPTER.known_defects.drops_second_forward_grad_under_mixed_precision
+            and param_dtype is not None
+        ):
             # Torch's FSDP hooks only the first forward's AccumulateGrad node
             # (the note on _register_post_backward_hook in
             # torch/distributed/fsdp/_runtime_utils.py): with parameter mixed

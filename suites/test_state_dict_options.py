@@ -47,9 +47,9 @@ from torch.distributed._state_dict_utils import _gather_state_dict
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FLAT_PARAM,
     FSDP,
-    IMPL,
     FullStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
@@ -325,7 +325,7 @@ class _StateDictOptions(FSDPTest):
         # when the flat parameter is not registered (use_orig_params=True), and
         # loads through the original parameters' views (see fsdp._state_dict).
         torch_local_orig = (
-            IMPL == "torch"
+            ADAPTER.known_defects.local_state_dict_keeps_flat_param_key
             and kind is StateDictType.LOCAL_STATE_DICT
             and sharded
             and use_orig_params

@@ -11,8 +11,8 @@ from torch import nn
 
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     CPUOffload,
     FlatParamHandle,
     MixedPrecision,
@@ -98,7 +98,7 @@ class TestSeedDtypeCheckSeesOurReduceScatter(FSDPTest):
     ``param_dtype`` instead of ``reduce_dtype``, that check must fail."""
 
     def test_wrong_reduce_dtype_fails_the_seed_check(self) -> None:
-        if IMPL != "local":
+        if not ADAPTER.is_project_fsdp:
             self.skipTest("patches this project's FlatParamHandle")
         from suites.test_mixed_precision import TestFSDPMixedPrecisionSharded
 

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp import _comm
 from fsdptest import FSDPTest
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -38,7 +38,7 @@ from harness import current_device
 def _needs_numpy_under_torch(test: Callable[..., None]) -> Callable[..., None]:
     """Torch's FSDP sends optimizer state-dict keys with object collectives, which
     unpickle through numpy (see suites/test_fsdp_optim_state.py); ours need none."""
-    if IMPL != "torch":
+    if not ADAPTER.limitations.optim_keys_need_numpy:
         return test
     reason = "torch's FSDP sends optimizer state-dict keys with object collectives"
     return pytest.mark.requires_module("numpy", reason=reason)(test)
@@ -103,7 +103,11 @@ class TestStateDictRoundTrip(FSDPTest):
         """Save, change every parameter, load strictly: the saved values are back.
         (Torch's FSDP leaves a local state dict's flat parameters unexpected with
         use_orig_params, so only a non-strict load succeeds there.)"""
-        local_orig = IMPL == "torch" and kind is StateDictType.LOCAL_STATE_DICT and use_orig_params
+        local_orig = (
+            ADAPTER.known_defects.local_state_dict_keeps_flat_param_key
+            and kind is StateDictType.LOCAL_STATE_DICT
+            and use_orig_params
+        )
         model = FSDP(
             _model(),
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
@@ -238,7 +242,7 @@ class TestOptimStateDict(FSDPTest):
         target[2] = FSDP(target[2])
         target_optim = _trained(target)
         loaded = FSDP.flatten_sharded_optim_state_dict(osd, target, target_optim)
-        if IMPL == "torch":
+        if ADAPTER.known_defects.flatten_keeps_unwrapped_sharded_tensors:
             # Torch's FSDP copies the states of parameters outside every unit as they
             # are: the first layer's stay ShardedTensors, which no optimizer loads.
             self.assertIsInstance(loaded["state"][0]["exp_avg"], ShardedTensor)

@@ -102,6 +102,14 @@ Traceback (most recent call last):
 ValueError: boom on rank 1
 """,
     )
+    _assert_dying_ranks_reported(run)
+    assert "SKIPPED [1] test_inner.py" in run.text and "not on this machine" in run.text
+    for pid in run.pids()["after"]:
+        assert not alive(pid), "a rank outlived the session"
+
+
+def _assert_dying_ranks_reported(run):
+    """A rank that exits or crashes is named with its exit code or signal."""
     # the surviving rank's error is the backend's (gloo's or NCCL's words)
     exit_code, survivor = run.report("test_exit_code").split("=== rank 0:")
     assert_expected_inline(
@@ -125,10 +133,6 @@ last output of the rank:
 
     report = run.section("test_unpicklable")
     assert "Unpicklable: cannot travel by pickle" in report
-
-    assert "SKIPPED [1] test_inner.py" in run.text and "not on this machine" in run.text
-    for pid in run.pids()["after"]:
-        assert not alive(pid), "a rank outlived the session"
 
 
 HANGS = src(

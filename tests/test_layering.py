@@ -38,6 +38,12 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("fsdptest", "upstream", "the upstream compatibility package builds on the test layer"),
     ("models", "upstream", "the upstream compatibility package re-exports the models"),
     ("upstream", "suites", "suites are on top"),
+    ("upstream", "fsdp", "upstream reaches the FSDP under test through the facade (fsdptest.api)"),
+    (
+        "upstream",
+        "torch.distributed.fsdp",
+        "upstream reaches the FSDP under test through the facade",
+    ),
     ("harness._rank", "harness._controller", "the rank side never needs the controller side"),
 )
 

@@ -440,7 +440,7 @@ def test_facade_gives_ours_private_helpers_or_skips_naming_them() -> None:
         ours = {tuple(v) for v in api._get_param_to_fqns(model, dedup).values()}
         torch_s = {tuple(v) for v in torch_common._get_param_to_fqns(model, dedup).values()}
         assert ours == torch_s
-    if api.IMPL == "local":
+    if api.ADAPTER.is_project_fsdp:
         with pytest.raises(unittest.SkipTest, match="_ExecOrderTracer"):
             api._ExecOrderTracer()
         assert api._create_chunk_dtensor.__module__ == "fsdp._shard_utils"

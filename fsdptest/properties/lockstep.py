@@ -63,8 +63,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest.api import (
+    ADAPTER,
     FSDP,
-    IMPL,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     BackwardPrefetch,
     CPUOffload,
@@ -358,7 +358,11 @@ class Lockstep:
         if not config.use_orig_params or config.offload_params:
             return  # summon_full_params(with_grads=True) needs both
         precision = config.mixed_precision
-        if IMPL == "torch" and precision is not None and precision.keep_low_precision_grads:
+        if (
+            ADAPTER.known_defects.cannot_summon_low_precision_grads
+            and precision is not None
+            and precision.keep_low_precision_grads
+        ):
             # Torch's FSDP cannot gather low-precision gradients: unshard_grad
             # assigns the fp16 gradient to the fp32 flat parameter and raises
             # (asserted in suites/test_property_findings.py).
@@ -404,7 +408,7 @@ def _keeps_frozen_unsharded(unit: Any) -> bool:
     in suites/test_property_findings.py)."""
     strategy = unit.sharding_strategy
     return (
-        IMPL == "torch"
+        ADAPTER.known_defects.keeps_frozen_units_unsharded
         and not unit._handle.flat_param.requires_grad
         and strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
     )

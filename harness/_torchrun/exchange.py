@@ -45,9 +45,6 @@ class Exchange:
     def take(self, key: str) -> Any:
         return pickle.loads(self.store.get(key))
 
-    def take_if_there(self, key: str) -> Any:
-        return self.take(key) if self.has(key) else None
-
     def everyones(self, key: str) -> dict[int, Any]:
         """What each rank put under ``key`` so far."""
         return {
