@@ -67,6 +67,19 @@ TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 TORCH_OPTIM_SHAPE_ERROR = "Tensor optimizer state does not have same shape as its parameter"
 
 
+def _gathered(value: DTensor) -> torch.Tensor:
+    """``value``'s whole tensor; an offloaded value (CPU local tensor on a CUDA
+    mesh) is gathered from the mesh's device, since NCCL gathers no CPU tensor."""
+    local = value.to_local()
+    mesh = value.device_mesh
+    if local.device.type != mesh.device_type:
+        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        value = DTensor.from_local(
+            local.to(device), mesh, value.placements, shape=value.shape, stride=value.stride()
+        )
+    return value.full_tensor()
+
+
 class SimpleModel(nn.Module):
     """Upstream's model: net1 and net2 are tensor-parallel in its plan, net3 not."""
 
@@ -323,8 +336,8 @@ class TestTPFSDPIntegration(FSDPTest):
             self.assertEqual(value.device_mesh, mesh_2d, msg=fqn)
             self.assertEqual(value.placements, (Shard(0), tp_placement), msg=fqn)
             self.assertEqual(value.shape, expected.shape, msg=fqn)
-            whole = expected.full_tensor() if isinstance(expected, DTensor) else expected
-            self.assertEqual(value.full_tensor().cpu(), whole.cpu(), msg=fqn)
+            whole = _gathered(expected) if isinstance(expected, DTensor) else expected
+            self.assertEqual(_gathered(value).cpu(), whole.cpu(), msg=fqn)
 
     def _load_sharded_optim(
         self,
