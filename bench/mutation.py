@@ -66,14 +66,20 @@ AREA_SUITES: dict[str, list[str]] = {
     "fsdp/_comm.py": ["suites/test_collective_traces.py"],
     "fsdp/_common.py": ["suites/test_utils.py"],
     "fsdp/_composable.py": ["suites/test_construction.py"],
-    "fsdp/_dtensor_extensions.py": ["suites/test_fsdp_dtensor_state_dict.py"],
+    "fsdp/_dtensor_extensions.py": [
+        "suites/test_fsdp_dtensor_state_dict.py",
+        "suites/test_fsdp_tp_integration.py",
+    ],
     "fsdp/_exec_order.py": ["suites/test_fsdp_exec_order.py"],
     "fsdp/_flat_param.py": ["suites/test_flatten_params.py"],
     "fsdp/_grads.py": ["suites/test_grad_accumulation.py"],
     "fsdp/_ignored.py": ["suites/test_construction.py"],
     "fsdp/_init.py": ["suites/test_construction.py"],
     "fsdp/_layout.py": ["suites/test_flatten_params.py"],
-    "fsdp/_optim_state_dict.py": ["suites/test_state_dict_options.py"],
+    "fsdp/_optim_state_dict.py": [
+        "suites/test_state_dict_options.py",
+        "suites/test_fsdp_optim_state.py",
+    ],
     "fsdp/_orig_params.py": ["suites/test_use_orig_params.py"],
     "fsdp/_placeholder.py": ["suites/test_utils.py"],
     "fsdp/_registry.py": ["suites/test_utils.py"],
@@ -264,6 +270,48 @@ def run(args: argparse.Namespace) -> None:
     _run(["cosmic-ray", "exec", CONFIG, SESSION], workdir)
 
 
+def retest(args: argparse.Namespace) -> None:
+    """Runs the survivors of ``--results`` again, each applied with ``cosmic-ray apply``
+    in ``--workdir`` (a prepared copy of the checkout as it is now: widened
+    observations and area suites), and records how each ends."""
+    workdir = Path(args.workdir).resolve()
+    survivors = [
+        r
+        for w in args.results
+        for r in _rows(Path(w).resolve())
+        if r["outcome"] in args.outcomes and r["job_id"] not in args.skip
+    ]
+    out = []
+    for r in survivors:
+        _run(["cosmic-ray", "apply", r["file"], r["operator"], str(r["occurrence"])], workdir)
+        try:
+            cmd = gate_command(_mutated_files(workdir), args.scenarios, 120)
+            start = time.monotonic()
+            try:
+                proc = subprocess.run(
+                    cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout
+                )
+                outcome = "survived" if proc.returncode == 0 else "killed"
+                tail = (proc.stdout + proc.stderr).splitlines()[-6:]
+            except subprocess.TimeoutExpired:
+                outcome, tail = "timeout", []
+        finally:
+            _run(["git", "checkout", "-q", "--", "fsdp"], workdir)
+        seconds = round(time.monotonic() - start, 1)
+        row = {
+            "job_id": r["job_id"],
+            "file": r["file"],
+            "line": r["line"],
+            "outcome": outcome,
+            "seconds": seconds,
+            "tail": tail,
+        }
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
 def _outcome(result: object) -> str:
     if result is None:
         return "pending"
@@ -273,13 +321,24 @@ def _outcome(result: object) -> str:
         return f"error:{result.worker_outcome}"  # type: ignore[attr-defined]
     if result.test_outcome == "killed":  # type: ignore[attr-defined]
         return "timeout" if result.output == "timeout" else "killed"  # type: ignore[attr-defined]
-    return str(result.test_outcome)  # type: ignore[attr-defined]
+    return str(result.test_outcome.value)  # type: ignore[attr-defined]
 
 
 def report(args: argparse.Namespace) -> None:
+
+    rows = []
+    seconds = []
+    for workdir in (Path(w).resolve() for w in args.workdir):
+        rows += _rows(workdir)
+        log = workdir / GATE_LOG
+        if log.exists():
+            seconds += [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
+    _summarise(rows, seconds, args.json)
+
+
+def _rows(workdir: Path) -> list[dict]:
     from cosmic_ray.work_db import WorkDB, use_db
 
-    workdir = Path(args.workdir).resolve()
     rows = []
     with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
         results = dict(db.results)
@@ -300,15 +359,15 @@ def report(args: argparse.Namespace) -> None:
                     "diff": results[item.job_id].diff if item.job_id in results else "",
                 }
             )
+    return rows
+
+
+def _summarise(rows: list[dict], seconds: list[float], json_path: str | None) -> None:
     rows.sort(key=lambda r: (r["file"], r["line"], r["operator"]))
     per_file: dict[str, Counter] = defaultdict(Counter)
     for r in rows:
         per_file[r["file"]][r["outcome"]] += 1
     total = Counter(r["outcome"] for r in rows)
-    seconds = []
-    log = workdir / GATE_LOG
-    if log.exists():
-        seconds = [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
     summary = {
         "outcomes": dict(total),
         "per_file": {f: dict(c) for f, c in sorted(per_file.items())},
@@ -326,8 +385,8 @@ def report(args: argparse.Namespace) -> None:
                 f"\nSURVIVED {r['file']}:{r['line']} {r['operator']} #{r['occurrence']} ({r['job_id']})"
             )
             print(r["diff"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def main() -> int:
@@ -353,12 +412,25 @@ def main() -> int:
     r.add_argument("--baseline", action="store_true", help="check every unmutated gate first")
     r.add_argument("--scenarios", type=int, default=16)
     q = sub.add_parser("report", help="kill rate per file and the survivors' diffs")
-    q.add_argument("--workdir", default="/tmp/fsdp-mutation")
+    q.add_argument("--workdir", nargs="+", default=["/tmp/fsdp-mutation"], help="one per shard")
     q.add_argument("--json", default=None)
+    t = sub.add_parser("retest", help="run the survivors again under the checkout's current gate")
+    t.add_argument("--workdir", default="/tmp/fsdp-mutation-retest", help="a prepared copy")
+    t.add_argument("--results", nargs="+", required=True, help="the workdirs of the run")
+    t.add_argument("--scenarios", type=int, default=16)
+    t.add_argument("--timeout", type=float, default=240.0)
+    t.add_argument("--json", default=None)
+    t.add_argument("--skip", nargs="*", default=[], help="job ids not to retest (equivalent)")
+    t.add_argument(
+        "--outcomes",
+        nargs="+",
+        default=["survived"],
+        help="which results to retest (timeout: whether a timeout was a hang or load)",
+    )
     args = parser.parse_args()
     if args.command == "gate":
         return gate(args)
-    {"prepare": prepare, "run": run, "report": report}[args.command](args)
+    {"prepare": prepare, "run": run, "report": report, "retest": retest}[args.command](args)
     return 0
 
 
