@@ -1,0 +1,438 @@
+"""Mutation testing of ``fsdp/`` with cosmic-ray: how many small bugs the gate kills.
+
+Usage (from the checkout root, with the project's virtualenv active)::
+
+    python bench/mutation.py prepare --workdir /tmp/fsdp-mutation --mutants 100 --seed 19
+    python bench/mutation.py run --workdir /tmp/fsdp-mutation       # hours on 2 cores
+    python bench/mutation.py report --workdir /tmp/fsdp-mutation --json docs/mutation.json
+
+[Note: Why cosmic-ray, in a scratch copy]
+The suites spawn rank processes that import ``fsdp`` from the checkout. cosmic-ray
+mutates the source file in place, runs one test command, and restores the file,
+so every process of the gate (the pytest process and the spawned ranks) sees
+the mutant without any import hook. mutmut 3 instead writes trampolined copies
+to ``mutants/`` and selects the active mutant through an environment variable and
+its own runner, which the spawned ranks and our pytest plugins would have to be
+taught. To keep the checkout's ``fsdp/`` pristine while mutants are applied,
+``prepare`` copies the checkout's files (tracked and untracked, not ignored) to
+``--workdir``, commits them there in a throwaway git repository (the gate asks
+``git diff`` which file is mutated), writes ``bench/mutation.toml`` with this
+interpreter, runs ``cosmic-ray init`` and marks every mutant outside the sample
+as skipped.
+
+[Note: The sample]
+``cosmic-ray init`` enumerates every mutant of every operator over ``fsdp/``. The
+sample is stratified by file and seeded: every file gets ``--min-per-file``
+mutants (or all it has), the rest of ``--mutants`` is shared out in proportion
+to the files' mutant counts (largest remainders), and each file's mutants are
+drawn with ``random.Random(f"{seed}:{file}")``. The same seed and the same
+sources give the same sample.
+
+[Note: The per-mutant gate]
+``gate`` runs in the scratch copy with the mutant applied: one pytest session,
+``-x``, the differential conformance search at world size 2
+(``--conformance-scenarios``, derandomized ``ci`` profile, so every mutant meets
+the same scenarios) first, then the suites of the mutated file's feature area
+(``AREA_SUITES``). Every test has a pytest-timeout; the whole gate has
+cosmic-ray's ``timeout`` (a hanging mutant is killed by timeout). An unmutated
+gate exits 0 (``run`` checks that first with ``--baseline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "bench/mutation.toml"
+SESSION = "mutation.sqlite"
+GATE_LOG = "mutation-gate.jsonl"
+
+CONFORMANCE = [
+    "suites/test_conformance.py::test_fsdp_conforms_to_the_reference[2]",
+]
+# The suites of each file's feature area, run after the conformance search.
+AREA_SUITES: dict[str, list[str]] = {
+    "fsdp/__init__.py": ["suites/test_utils.py"],
+    "fsdp/_clip_grad.py": ["suites/test_clip_grad_norm.py"],
+    "fsdp/_comm.py": ["suites/test_collective_traces.py"],
+    "fsdp/_common.py": ["suites/test_utils.py"],
+    "fsdp/_composable.py": ["suites/test_construction.py"],
+    "fsdp/_dtensor_extensions.py": [
+        "suites/test_fsdp_dtensor_state_dict.py",
+        "suites/test_fsdp_tp_integration.py",
+    ],
+    "fsdp/_exec_order.py": ["suites/test_fsdp_exec_order.py"],
+    "fsdp/_flat_param.py": ["suites/test_flatten_params.py"],
+    "fsdp/_grads.py": ["suites/test_grad_accumulation.py"],
+    "fsdp/_ignored.py": ["suites/test_construction.py"],
+    "fsdp/_init.py": ["suites/test_construction.py"],
+    "fsdp/_layout.py": ["suites/test_flatten_params.py"],
+    "fsdp/_optim_state_dict.py": [
+        "suites/test_state_dict_options.py",
+        "suites/test_fsdp_optim_state.py",
+    ],
+    "fsdp/_orig_params.py": ["suites/test_use_orig_params.py"],
+    "fsdp/_placeholder.py": ["suites/test_utils.py"],
+    "fsdp/_registry.py": ["suites/test_utils.py"],
+    "fsdp/_runtime.py": ["suites/test_fsdp_comm.py"],
+    "fsdp/_shard_utils.py": ["suites/test_fsdp_dtensor_state_dict.py"],
+    "fsdp/_state_dict.py": ["suites/test_state_dict_options.py"],
+    "fsdp/_storage.py": ["suites/test_flatten_params.py"],
+    "fsdp/_streams.py": ["suites/test_fsdp_comm.py"],
+    "fsdp/_unshard_params.py": ["suites/test_unshard_options.py"],
+    "fsdp/_utils.py": ["suites/test_utils.py"],
+    "fsdp/api.py": ["suites/test_utils.py"],
+    "fsdp/fully_sharded_data_parallel.py": ["suites/test_construction.py"],
+    "fsdp/sharded_grad_scaler.py": ["suites/test_grad_scaler.py"],
+    "fsdp/wrap.py": ["suites/test_wrap.py"],
+}
+
+
+def _run(cmd: list[str], cwd: Path, **kwargs: object) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _copy_checkout(workdir: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in files:
+        if not raw:
+            continue
+        rel = Path(raw.decode())
+        if not (ROOT / rel).is_file():
+            continue
+        (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, workdir / rel)
+    (workdir / ".gitignore").write_text(
+        (workdir / ".gitignore").read_text() + f"\n{SESSION}\n{GATE_LOG}\n"
+    )
+    _run(["git", "init", "-q"], workdir)
+    _run(["git", "add", "-A"], workdir)
+    _run(
+        [
+            "git",
+            "-c",
+            "user.name=mutation",
+            "-c",
+            "user.email=mutation@localhost",
+            "commit",
+            "-qm",
+            "base",
+        ],
+        workdir,
+    )
+
+
+def _write_config(workdir: Path) -> None:
+    text = (ROOT / CONFIG).read_text()
+    text = text.replace(
+        '"python bench/mutation.py gate"', f'"{sys.executable} bench/mutation.py gate"'
+    )
+    (workdir / CONFIG).write_text(text)
+
+
+def allocate(counts: dict[str, int], total: int, min_per_file: int) -> dict[str, int]:
+    """Mutants per file: ``min_per_file`` each (capped by what a file has), the rest
+    in proportion to the files' counts by largest remainders."""
+    share = {f: min(n, min_per_file) for f, n in counts.items()}
+    left = total - sum(share.values())
+    if left <= 0:
+        return share
+    room = {f: counts[f] - share[f] for f in counts}
+    pool = sum(room.values())
+    exact = {f: left * room[f] / pool for f in counts} if pool else {}
+    for f, x in exact.items():
+        share[f] += min(int(x), room[f])
+    rest = total - sum(share.values())
+    for f in sorted(exact, key=lambda f: exact[f] - int(exact[f]), reverse=True):
+        if rest <= 0:
+            break
+        if share[f] < counts[f]:
+            share[f] += 1
+            rest -= 1
+    return share
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    workdir = Path(args.workdir).resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    _copy_checkout(workdir)
+    _write_config(workdir)
+    _run(["cosmic-ray", "init", CONFIG, SESSION], workdir)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
+        for item in db.work_items:
+            by_file[str(item.mutations[0].module_path)].append(item.job_id)
+        counts = {f: len(ids) for f, ids in sorted(by_file.items())}
+        share = allocate(counts, args.mutants, args.min_per_file)
+        chosen: set[str] = set()
+        for f in sorted(by_file):
+            ids = sorted(by_file[f])
+            chosen.update(random.Random(f"{args.seed}:{f}").sample(ids, share[f]))
+        index, count = (int(x) for x in args.shard.split("/"))
+        mine = {i for k, i in enumerate(sorted(chosen)) if k % count == index}
+        skipped = [i for ids in by_file.values() for i in ids if i not in mine]
+        db.set_multiple_results(
+            skipped,
+            WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"),
+        )
+    plan = {
+        "seed": args.seed,
+        "mutants": len(chosen),
+        "shard": args.shard,
+        "in_shard": len(mine),
+        "per_file": {f: [counts[f], share[f]] for f in counts},
+    }
+    (workdir / "mutation-plan.json").write_text(json.dumps(plan, indent=1))
+    print(
+        f"{sum(counts.values())} mutants enumerated in {len(counts)} files; {len(chosen)} sampled, "
+        f"{len(mine)} in shard {args.shard}"
+    )
+    for f in counts:
+        print(f"  {f}: {share[f]} of {counts[f]}")
+
+
+def _mutated_files(cwd: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "diff", "--name-only", "--", "fsdp"],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def gate_command(files: list[str], scenarios: int, test_timeout: int) -> list[str]:
+    suites: list[str] = []
+    for f in files:
+        if f not in AREA_SUITES:
+            raise SystemExit(
+                f"no area suites for {f!r}: add it to AREA_SUITES in bench/mutation.py"
+            )
+        suites += [s for s in AREA_SUITES[f] if s not in suites]
+    return [
+        sys.executable, "-m", "pytest", *CONFORMANCE, *suites,
+        "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+        f"--timeout={test_timeout}", f"--conformance-scenarios={scenarios}",
+    ]  # fmt: skip
+
+
+def gate(args: argparse.Namespace) -> int:
+    cwd = Path.cwd()
+    files = _mutated_files(cwd) or list(args.files)
+    if not files:
+        raise SystemExit("gate: no mutated file under fsdp/ (and no --files given)")
+    cmd = gate_command(files, args.scenarios, args.test_timeout)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.monotonic() - start
+    tail = (proc.stdout + proc.stderr).splitlines()[-40:]
+    with open(cwd / GATE_LOG, "a") as log:
+        log.write(
+            json.dumps(
+                {"files": files, "rc": proc.returncode, "seconds": round(elapsed, 1), "tail": tail}
+            )
+            + "\n"
+        )
+    sys.stdout.write("\n".join(tail) + "\n")
+    return proc.returncode
+
+
+def run(args: argparse.Namespace) -> None:
+    workdir = Path(args.workdir).resolve()
+    if args.baseline:
+        for f in sorted({f for f in AREA_SUITES}):
+            cmd = gate_command([f], args.scenarios, 120)
+            start = time.monotonic()
+            rc = subprocess.run(cmd, cwd=workdir, capture_output=True).returncode
+            print(f"baseline {f}: rc={rc} {time.monotonic() - start:.1f}s", flush=True)
+            if rc != 0:
+                raise SystemExit(f"the unmutated gate of {f} fails: fix it before mutating")
+    _run(["cosmic-ray", "exec", CONFIG, SESSION], workdir)
+
+
+def retest(args: argparse.Namespace) -> None:
+    """Runs the survivors of ``--results`` again, each applied with ``cosmic-ray apply``
+    in ``--workdir`` (a prepared copy of the checkout as it is now: widened
+    observations and area suites), and records how each ends."""
+    workdir = Path(args.workdir).resolve()
+    survivors = [
+        r
+        for w in args.results
+        for r in _rows(Path(w).resolve())
+        if r["outcome"] in args.outcomes and r["job_id"] not in args.skip
+    ]
+    out = []
+    for r in survivors:
+        _run(["cosmic-ray", "apply", r["file"], r["operator"], str(r["occurrence"])], workdir)
+        try:
+            cmd = gate_command(_mutated_files(workdir), args.scenarios, 120)
+            start = time.monotonic()
+            try:
+                proc = subprocess.run(
+                    cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout
+                )
+                outcome = "survived" if proc.returncode == 0 else "killed"
+                tail = (proc.stdout + proc.stderr).splitlines()[-6:]
+            except subprocess.TimeoutExpired:
+                outcome, tail = "timeout", []
+        finally:
+            _run(["git", "checkout", "-q", "--", "fsdp"], workdir)
+        seconds = round(time.monotonic() - start, 1)
+        row = {
+            "job_id": r["job_id"],
+            "file": r["file"],
+            "line": r["line"],
+            "outcome": outcome,
+            "seconds": seconds,
+            "tail": tail,
+        }
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _outcome(result: object) -> str:
+    if result is None:
+        return "pending"
+    if result.worker_outcome == "skipped":  # type: ignore[attr-defined]
+        return "skipped"
+    if result.worker_outcome != "normal":  # type: ignore[attr-defined]
+        return f"error:{result.worker_outcome}"  # type: ignore[attr-defined]
+    if result.test_outcome == "killed":  # type: ignore[attr-defined]
+        return "timeout" if result.output == "timeout" else "killed"  # type: ignore[attr-defined]
+    return str(result.test_outcome.value)  # type: ignore[attr-defined]
+
+
+def report(args: argparse.Namespace) -> None:
+
+    rows = []
+    seconds = []
+    for workdir in (Path(w).resolve() for w in args.workdir):
+        rows += _rows(workdir)
+        log = workdir / GATE_LOG
+        if log.exists():
+            seconds += [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
+    _summarise(rows, seconds, args.json)
+
+
+def _rows(workdir: Path) -> list[dict]:
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    rows = []
+    with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
+        results = dict(db.results)
+        for item in db.work_items:
+            outcome = _outcome(results.get(item.job_id))
+            if outcome == "skipped":
+                continue
+            m = item.mutations[0]
+            rows.append(
+                {
+                    "job_id": item.job_id,
+                    "file": str(m.module_path),
+                    "operator": m.operator_name,
+                    "occurrence": m.occurrence,
+                    "line": m.start_pos[0],
+                    "definition": m.definition_name,
+                    "outcome": outcome,
+                    "diff": results[item.job_id].diff if item.job_id in results else "",
+                }
+            )
+    return rows
+
+
+def _summarise(rows: list[dict], seconds: list[float], json_path: str | None) -> None:
+    rows.sort(key=lambda r: (r["file"], r["line"], r["operator"]))
+    per_file: dict[str, Counter] = defaultdict(Counter)
+    for r in rows:
+        per_file[r["file"]][r["outcome"]] += 1
+    total = Counter(r["outcome"] for r in rows)
+    summary = {
+        "outcomes": dict(total),
+        "per_file": {f: dict(c) for f, c in sorted(per_file.items())},
+        "gate_seconds": {
+            "runs": len(seconds),
+            "mean": round(sum(seconds) / len(seconds), 1) if seconds else None,
+            "max": max(seconds) if seconds else None,
+        },
+        "mutants": rows,
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "mutants"}, indent=1))
+    for r in rows:
+        if r["outcome"] == "survived":
+            print(
+                f"\nSURVIVED {r['file']}:{r['line']} {r['operator']} #{r['occurrence']} ({r['job_id']})"
+            )
+            print(r["diff"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="copy the checkout, enumerate and sample the mutants")
+    p.add_argument("--workdir", default="/tmp/fsdp-mutation")
+    p.add_argument("--mutants", type=int, default=100)
+    p.add_argument("--min-per-file", type=int, default=2)
+    p.add_argument("--seed", type=int, default=19)
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: keep the I-th of N interleaved parts of the sample (one workdir per part, "
+        "run side by side)",
+    )
+    g = sub.add_parser("gate", help="the per-mutant test command (cosmic-ray's test-command)")
+    g.add_argument("--scenarios", type=int, default=int(os.environ.get("MUTATION_SCENARIOS", "16")))
+    g.add_argument("--test-timeout", type=int, default=120)
+    g.add_argument("--files", nargs="*", default=[])
+    r = sub.add_parser("run", help="cosmic-ray exec over the sampled mutants")
+    r.add_argument("--workdir", default="/tmp/fsdp-mutation")
+    r.add_argument("--baseline", action="store_true", help="check every unmutated gate first")
+    r.add_argument("--scenarios", type=int, default=16)
+    q = sub.add_parser("report", help="kill rate per file and the survivors' diffs")
+    q.add_argument("--workdir", nargs="+", default=["/tmp/fsdp-mutation"], help="one per shard")
+    q.add_argument("--json", default=None)
+    t = sub.add_parser("retest", help="run the survivors again under the checkout's current gate")
+    t.add_argument("--workdir", default="/tmp/fsdp-mutation-retest", help="a prepared copy")
+    t.add_argument("--results", nargs="+", required=True, help="the workdirs of the run")
+    t.add_argument("--scenarios", type=int, default=16)
+    t.add_argument("--timeout", type=float, default=240.0)
+    t.add_argument("--json", default=None)
+    t.add_argument("--skip", nargs="*", default=[], help="job ids not to retest (equivalent)")
+    t.add_argument(
+        "--outcomes",
+        nargs="+",
+        default=["survived"],
+        help="which results to retest (timeout: whether a timeout was a hang or load)",
+    )
+    args = parser.parse_args()
+    if args.command == "gate":
+        return gate(args)
+    {"prepare": prepare, "run": run, "report": report, "retest": retest}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
