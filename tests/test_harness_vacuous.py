@@ -189,7 +189,8 @@ def test_device_cuda_and_a_test_needing_more_gpus_errors_instead_of_skipping(inn
         (["--subtest", "strategy"], "--subtest expects key=value pairs separated by commas"),
         (
             ["--replay-example", "garbage"],
-            "--replay-example 'garbage' is not a replay id that a property failure printed",
+            "--replay-example 'garbage' is not a replay id that a property or conformance failure "
+            "printed",
         ),
         (
             ["--gpu-lease-dir", "/dev/null/leases"],
