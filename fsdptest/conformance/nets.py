@@ -23,7 +23,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdptest.conformance.scenario import Block, Layer, LayerKind, Net
-from fsdptest.properties.modules import Activated, Head, Scale, SharedLinear, TiedLinears
+from fsdptest.properties.modules import (
+    Activated,
+    PropertyModel,
+    Scale,
+    SharedLinear,
+    TiedLinears,
+)
 
 
 class BatchNorm(nn.Module):
@@ -103,32 +109,11 @@ def _layer(spec: Layer, width_in: int) -> nn.Module:
     return module
 
 
-class ConformanceNet(nn.Module):
-    """The module a scenario's ``Net`` describes."""
+class ConformanceNet(PropertyModel):
+    """The module a scenario's ``Net`` describes: the property search's model
+    with this package's blocks (``Net`` has the fields ``PropertyModel`` reads)."""
 
-    def __init__(self, spec: Net) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(spec.vocab, spec.width) if spec.vocab else None
-        blocks, width = [], spec.width
-        for block in spec.blocks:
-            blocks.append(NetBlock(block, width))
-            width = block.out_width(width)
-        self.blocks = nn.ModuleList(blocks)
-        self.projection = nn.Linear(width, spec.width) if spec.needs_projection() else None
-        if self.projection is not None:
-            width = spec.width
-        self.head = Head(width, spec.vocab or spec.outputs)
-        if self.embedding is not None and spec.tied_head:
-            self.head.weight = self.embedding.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embedding is not None:
-            x = self.embedding(x)
-        for block in self.blocks:
-            x = block(x)
-        if self.projection is not None:
-            x = self.projection(x)
-        return self.head(x)
+    block_module = NetBlock
 
 
 def build(spec: Net, seed: int, device: torch.device) -> ConformanceNet:

@@ -17,6 +17,8 @@ under mixed precision does.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,12 +126,14 @@ class Head(nn.Linear):
 class PropertyModel(nn.Module):
     """The module an example's ``Model`` describes (see its docstring)."""
 
+    block_module: ClassVar[type[nn.Module]] = BlockModule  # the module of each spec block
+
     def __init__(self, spec: Model) -> None:
         super().__init__()
         self.embedding = nn.Embedding(spec.vocab, spec.width) if spec.vocab else None
         blocks, width = [], spec.width
         for block in spec.blocks:
-            blocks.append(BlockModule(block, width))
+            blocks.append(self.block_module(block, width))
             width = block.out_width(width)
         self.blocks = nn.ModuleList(blocks)
         self.projection = nn.Linear(width, spec.width) if spec.needs_projection() else None
