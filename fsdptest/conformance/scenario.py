@@ -16,10 +16,8 @@ under test and once with the reference.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import enum
-import json
 import zlib
 from typing import Any, ClassVar
 
@@ -30,6 +28,8 @@ from fsdptest.properties.examples import (
     Wrap,
     _plain,
     _rebuild,
+    decode_replay_id,
+    encode_replay_id,
 )
 
 # -- the model -----------------------------------------------------------------------------------
@@ -519,14 +519,12 @@ class Scenario:
             "setup": _plain(self.setup),
             "ops": [[op.NAME, _plain(op)] for op in self.ops],
         }
-        text = json.dumps(data, separators=(",", ":"))
-        return base64.urlsafe_b64encode(zlib.compress(text.encode(), 9)).decode()
+        return encode_replay_id(data)
 
     @classmethod
     def from_replay_id(cls, replay_id: str) -> Scenario:
         try:
-            text = zlib.decompress(base64.urlsafe_b64decode(replay_id.encode())).decode()
-            data = json.loads(text)
+            data = decode_replay_id(replay_id)
             ops = tuple(_rebuild(OPS[name], fields) for name, fields in data["ops"])
             return cls(
                 world_size=data["world_size"],

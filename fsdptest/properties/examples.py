@@ -290,13 +290,22 @@ class Example:
         printer.text(f"Example({self.describe()})")
 
     def replay_id(self) -> str:
-        text = json.dumps(_plain(self), separators=(",", ":"))
-        return base64.urlsafe_b64encode(zlib.compress(text.encode(), 9)).decode()
+        return encode_replay_id(_plain(self))
 
     @classmethod
     def from_replay_id(cls, replay_id: str) -> Example:
-        text = zlib.decompress(base64.urlsafe_b64decode(replay_id.encode())).decode()
-        return _rebuild(cls, json.loads(text))
+        return _rebuild(cls, decode_replay_id(replay_id))
+
+
+def encode_replay_id(data: Any) -> str:
+    """JSON ``data`` as a replay id: compressed, URL-safe base64 (one shell word)."""
+    text = json.dumps(data, separators=(",", ":"))
+    return base64.urlsafe_b64encode(zlib.compress(text.encode(), 9)).decode()
+
+
+def decode_replay_id(replay_id: str) -> Any:
+    """The JSON data of ``replay_id`` (raises ValueError or zlib.error on garbage)."""
+    return json.loads(zlib.decompress(base64.urlsafe_b64decode(replay_id.encode())).decode())
 
 
 def _text(value: object) -> str:
