@@ -46,6 +46,7 @@ class WorkerSpec:
     isolated_modules: tuple[str, ...]
     release_cached_memory: bool = False  # empty CUDA's cache after each test
     profile_dir: str | None = None  # a cProfile of each test goes there
+    reuse_groups: bool = True  # see [Note: Process groups reused across tests]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TestFinished:
     # (see [Note: A filter that selects nothing] in harness._controller.report).
     subtest_space: tuple[tuple[str, tuple[str, ...]], ...] = ()
     filter_hits: tuple[bool, ...] = ()  # per pair of the filter: matched some combination
+    groups_dirty: bool = False  # a cached group was destroyed: every rank empties its cache
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Probe:
-    """After a test that did not pass cleanly: is the default group still in step?"""
+    """After a test that did not pass cleanly (or destroyed a cached group): every
+    rank empties its group cache; is the default group still in step?"""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class PoolSettings:
     isolated_modules: tuple[str, ...]  # see harness.plugin.isolated_modules
     release_cached_memory: bool = False  # other processes may lease the pools' GPUs
     profile_dir: str | None = None  # --rank-profile
+    reuse_groups: bool = True  # not --fresh-groups
 
 
 class PoolKey(NamedTuple):

@@ -144,6 +144,7 @@ def pytest_configure(config: pytest.Config) -> None:
         pg_timeout_s=_PG_TIMEOUT_S,
         isolated_modules=isolated_modules(config),
         profile_dir=str(profile_dir) if profile_dir is not None else None,
+        reuse_groups=not config.getoption("fresh_groups"),
     )
     if config.getoption("dist_launcher") == "torchrun":
         config.stash[dispatch_key] = _torchrun_dispatch(config, settings)

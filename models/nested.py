@@ -29,6 +29,7 @@ from fsdptest.interface import (
     unwrap_test_model,
 )
 from harness.collectives import Collective, current, patch_reduce_scatter
+from harness.seeding import manual_seed
 from models.delays import sleep_ms
 
 _MODEL_SEED = 0
@@ -59,7 +60,7 @@ class LayerFactory:
 
     def seed(self, seed: int) -> None:
         if self.deterministic:
-            torch.manual_seed(seed)
+            manual_seed(seed)
 
 
 class NestedWrappedModule(FSDPTestModel):
@@ -98,7 +99,7 @@ class NestedWrappedModule(FSDPTestModel):
         )
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        torch.manual_seed(1 + self.rank)
+        manual_seed(1 + self.rank)
         return (torch.rand(4, 8, device=device),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdptest.api import FSDP, CPUOffload, current_device, wrap
+from harness.seeding import manual_seed
 
 _DETERMINISTIC_SEED = 0
 
@@ -152,7 +153,7 @@ class DeterministicModel(nn.Module):
 
     def __init__(self, wrap_fsdp: bool, cpu_offload: CPUOffload | None = None) -> None:
         super().__init__()
-        torch.manual_seed(_DETERMINISTIC_SEED)
+        manual_seed(_DETERMINISTIC_SEED)
         device = current_device()
         inner = nn.Linear(2, 2).to(device)
         offload = cpu_offload if cpu_offload is not None else CPUOffload(offload_params=False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.seeding import manual_seed
+
 _MLP_SEED = 5
 
 
@@ -21,7 +23,7 @@ class MLPModule(nn.Module):
 
     def __init__(self, device: torch.device | str | None, bias: bool = True) -> None:
         super().__init__()
-        torch.manual_seed(_MLP_SEED)
+        manual_seed(_MLP_SEED)
         self.net1 = nn.Linear(10, 16, bias=bias, device=device)
         self.relu = nn.ReLU()
         self.net2 = nn.Linear(16, 10, bias=bias, device=device)

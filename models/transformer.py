@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdptest.api import FSDP, ModuleWrapPolicy, ShardingStrategy
 from fsdptest.interface import DeviceInitMode, FSDPInitMode, FSDPTestModel, to_device_if
+from harness.seeding import manual_seed
 
 GroupArg = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
 
@@ -59,7 +60,7 @@ class TransformerWithSharedParams(FSDPTestModel):
         self.world_size = group.size()
         self.bs = _BATCH
         if deterministic:
-            torch.manual_seed(_MODEL_SEED)
+            manual_seed(_MODEL_SEED)
         self.embed_tokens = nn.Embedding(_VOCAB, _D_MODEL)
         self.transformer = nn.Transformer(
             d_model=_D_MODEL,
@@ -78,7 +79,7 @@ class TransformerWithSharedParams(FSDPTestModel):
             self.eval()
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        torch.manual_seed(1 + self.rank)
+        manual_seed(1 + self.rank)
         src = torch.arange(12, device=device).view(6, self.bs)  # (time, batch)
         tgt = torch.arange(self.bs * 4, device=device).view(4, self.bs)
         return src, tgt

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import textwrap
 
+import pytest
+
 TESTS = 24
 
 CHURN = textwrap.dedent(
@@ -69,10 +71,13 @@ def _samples(run) -> list[tuple[int, int, int, int, int]]:
     return [tuple(int(x) for x in row) for row in rows]  # type: ignore[misc]
 
 
-def test_threads_and_descriptors_stay_bounded_over_many_tests(inner):
+@pytest.mark.parametrize("groups", ["reused", "fresh"])
+def test_threads_and_descriptors_stay_bounded_over_many_tests(inner, groups):
     """Each test creates three subgroups, an FSDP model over each, and a hybrid-sharded
-    model; one pool runs them all and returns to its baseline after every test."""
-    run = inner(CHURN, "-W", "error::harness.PoolLeakWarning")
+    model; one pool runs them all and returns to its baseline after every test,
+    whether the rank hands the groups to the next test or destroys them."""
+    fresh = ("--fresh-groups",) if groups == "fresh" else ()
+    run = inner(CHURN, "-W", "error::harness.PoolLeakWarning", *fresh)
     run.result.assert_outcomes(passed=TESTS)
     samples = _samples(run)
     for rank_pid in {pid for _, pid, *_ in samples}:
@@ -107,7 +112,8 @@ KEEPER = textwrap.dedent(
 
 
 def test_a_group_kept_alive_replaces_the_pool_with_a_warning(inner):
-    run = inner(KEEPER)
+    """Under --fresh-groups every group a test created must be gone after it."""
+    run = inner(KEEPER, "--fresh-groups")
     run.result.assert_outcomes(passed=2)
     pids = run.pids()
     assert set(pids["keeper"]).isdisjoint(pids["after"]), "the leaking pool was replaced"
@@ -158,12 +164,14 @@ SOLO = textwrap.dedent(
 ).replace("@TESTS@", str(TESTS // 2))
 
 
-def test_a_one_rank_pool_returns_to_baseline(inner):
+@pytest.mark.parametrize("groups", ["reused", "fresh"])
+def test_a_one_rank_pool_returns_to_baseline(inner, groups):
     """World size 1, so that one GPU runs it on NCCL (``HARNESS_TEST_INNER_DEVICE=auto``):
     every test creates three groups, each with its communicator and an FSDP model;
     threads, descriptors and device memory in use (NCCL's buffers included) stay
     at the level after the first test."""
-    run = inner(SOLO, "-W", "error::harness.PoolLeakWarning")
+    fresh = ("--fresh-groups",) if groups == "fresh" else ()
+    run = inner(SOLO, "-W", "error::harness.PoolLeakWarning", *fresh)
     run.result.assert_outcomes(passed=TESTS // 2)
     samples = _samples(run)
     assert len({pid for _, pid, *_ in samples}) == 1, "every test ran on the same pool"

@@ -30,6 +30,7 @@ from fsdptest.properties.modules import (
     SharedLinear,
     TiedLinears,
 )
+from harness.seeding import manual_seed
 
 
 class BatchNorm(nn.Module):
@@ -118,7 +119,7 @@ class ConformanceNet(PropertyModel):
 
 def build(spec: Net, seed: int, device: torch.device) -> ConformanceNet:
     """The model, the same for the same seed (on the meta device: no values)."""
-    torch.manual_seed(seed)
+    manual_seed(seed)
     if device.type == "meta":
         with torch.device("meta"):
             return ConformanceNet(spec)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdptest.properties.examples import Block, Example, Layer, LayerKind, Model
+from harness.seeding import manual_seed
 
 
 class Scale(nn.Module):
@@ -155,7 +156,7 @@ class PropertyModel(nn.Module):
 
 def build(example: Example, device: torch.device) -> PropertyModel:
     """The example's model, the same on every rank and every call."""
-    torch.manual_seed(example.seed)
+    manual_seed(example.seed)
     return PropertyModel(example.model).to(device)
 
 

@@ -156,6 +156,13 @@ def _add_runner_options(group: pytest.OptionGroup) -> None:
         help="give every distributed test a fresh pool of ranks instead of reusing one.",
     )
     group.addoption(
+        "--fresh-groups",
+        action="store_true",
+        default=False,
+        help="create and destroy the process groups of every test instead of handing a "
+        "pooled rank's groups to later tests that ask for the same ones.",
+    )
+    group.addoption(
         "--gpu-lease-dir",
         default=None,
         metavar="DIR",

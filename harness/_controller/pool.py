@@ -235,6 +235,7 @@ class RankPool:
             isolated_modules=self._settings.isolated_modules,
             release_cached_memory=self._settings.release_cached_memory,
             profile_dir=self._settings.profile_dir,
+            reuse_groups=self._settings.reuse_groups,
         )
 
     def _await_ready(self) -> None:
@@ -270,7 +271,7 @@ class RankPool:
             proc.conn.send(request)
         driver = _AttemptDriver(self._ranks, deadline, grace_s)
         attempt = driver.run()
-        if not attempt.pool_broken and not _passed_cleanly(attempt):
+        if not attempt.pool_broken and not _passed_cleanly_in_step(attempt):
             attempt.pool_broken = not self._probe()
         for proc in self._ranks:
             attempt.ranks[proc.rank].output = proc.read_output()
@@ -314,6 +315,13 @@ class RankPool:
         self._store = None
         self._tmpdir.cleanup()
         self.state = PoolState.STOPPED
+
+
+def _passed_cleanly_in_step(attempt: Attempt) -> bool:
+    """Passed cleanly, and no rank's group cache needs emptying."""
+    if any(r.finished is not None and r.finished.groups_dirty for r in attempt.ranks.values()):
+        return False
+    return _passed_cleanly(attempt)
 
 
 def _passed_cleanly(attempt: Attempt) -> bool:

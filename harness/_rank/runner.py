@@ -24,6 +24,7 @@ from harness._protocol import (
     WorkerSpec,
 )
 from harness._rank import context as rank_context
+from harness._rank import group_cache
 from harness._rank.cuda_mapping import mapped
 from harness._rank.importer import import_test_module, resolve_qualname
 from harness._rank.isolation import GroupTracker, LeakCheck, StateBaseline, default_group_alive
@@ -36,6 +37,7 @@ def pg_timeout(seconds: float) -> datetime.timedelta:
 
 def serve(spec: WorkerSpec, conn: Connection) -> int:
     device = _init_process_group(spec)
+    cache = group_cache.install() if spec.reuse_groups else None
     baseline = StateBaseline.capture(spec.isolated_modules)
     leaks = LeakCheck(device)
     conn.send(Ready(spec.rank, os.getpid()))
@@ -48,7 +50,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
             _shutdown_process_group()
             return 0
         if isinstance(message, Probe):
-            conn.send(ProbeResult(spec.rank, probe_default_group(device)))
+            conn.send(ProbeResult(spec.rank, _empty_cache_and_probe(cache, device)))
             continue
         assert isinstance(message, RunTest), message
         outcome = profiled(
@@ -60,6 +62,17 @@ def serve(spec: WorkerSpec, conn: Connection) -> int:
 
 
 _PROBE_WAIT = datetime.timedelta(seconds=5)
+
+
+def _empty_cache_and_probe(cache: group_cache.GroupCache | None, device: torch.device) -> bool:
+    """Every rank empties its group cache at the same point (see [Note: Process
+    groups reused across tests]), then probes the default group."""
+    if cache is not None:
+        try:
+            cache.clear()
+        except Exception:
+            return False
+    return probe_default_group(device)
 
 
 def probe_default_group(device: torch.device) -> bool:
@@ -162,6 +175,7 @@ def run_test(
         # GPUs under pytest-xdist] in harness._controller.devices): the test's
         # tensors are collected now, and the allocator gives its cache back.
         torch.cuda.empty_cache()
+    cache = group_cache.active()
     return TestFinished(
         rank=spec.rank,
         status=status,
@@ -173,6 +187,7 @@ def run_test(
         leak=leak,
         subtest_space=space.offered() if space is not None else (),
         filter_hits=tuple(space.hits) if space is not None else (),
+        groups_dirty=cache is not None and cache.dirty(),
     )
 
 

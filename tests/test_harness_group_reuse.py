@@ -1,0 +1,111 @@
+"""A pooled rank hands the process groups a test created to later tests that ask
+for the same ones (see [Note: Process groups reused across tests] in
+harness._rank.group_cache): distinct calls stay distinct groups, a destroyed
+group is created again, a failed test empties the cache, and --fresh-groups
+turns it off."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+REUSE = textwrap.dedent(
+    """
+    import os
+    import pytest, torch
+    import torch.distributed as dist
+    from harness import DistributedTest
+
+    def record(name, *groups):
+        ids = ",".join(g.group_name if isinstance(g, dist.ProcessGroup) else "-" for g in groups)
+        with open(os.environ["PIDS_FILE"], "a") as f:
+            f.write(f"{name} {dist.get_rank()} {os.getpid()} {ids}\\n")
+
+    def total(group):
+        t = torch.ones(1, device=torch.device("cpu"))
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    class TestReuse(DistributedTest):
+        world_size = 3
+
+        def test_a_first(self):
+            a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("first", a, b, c)
+            assert total(c) == 3
+            if dist.get_rank() < 2:
+                assert a is not b and total(a) == 2 and total(b) == 2
+
+        def test_b_again(self):
+            a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("again", a, b, c)
+            assert total(c) == 3
+
+        def test_c_destroys(self):
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("destroys", c)
+            dist.destroy_process_group(c)
+
+        def test_d_after_destroy(self):
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("after_destroy", c)
+            assert total(c) == 3
+
+        def test_e_fails(self):
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("fails", c)
+            assert False, "a failing test"
+
+        def test_f_after_failure(self):
+            c = dist.new_group([0, 1, 2], backend="gloo")
+            record("after_failure", c)
+            assert total(c) == 3
+
+        def test_g_subtests(self):
+            seen = []
+            def body(i):
+                c = dist.new_group([0, 1, 2], backend="gloo")
+                seen.append(c)
+                assert total(c) == 3
+            self.run_subtests({"i": [0, 1, 2]}, body)
+            record("subtests", *seen)
+    """
+)
+
+
+def _names(run) -> dict[tuple[str, int], list[str]]:
+    rows = [line.split() for line in (run.path / "pids.txt").read_text().splitlines()]
+    return {(name, int(rank)): ids.split(",") for name, rank, _pid, ids in rows}
+
+
+@pytest.mark.parametrize("groups", ["reused", "fresh"])
+def test_groups_are_handed_to_later_tests(inner, groups):
+    fresh = ("--fresh-groups",) if groups == "fresh" else ()
+    run = inner(REUSE, "--world-size", "3", *fresh)
+    run.result.assert_outcomes(passed=6, failed=1)
+    names = _names(run)
+    for rank in range(3):
+        a1, b1, c1 = names[("first", rank)]
+        a2, b2, c2 = names[("again", rank)]
+        if rank < 2:
+            assert a1 != b1, "two calls in one test are two groups"
+        else:
+            assert a1 == b1 == "-", "rank 2 is outside the group"
+        (destroyed,) = names[("destroys", rank)]
+        (recreated,) = names[("after_destroy", rank)]
+        (failed,) = names[("fails", rank)]
+        (after,) = names[("after_failure", rank)]
+        sub = names[("subtests", rank)]
+        if groups == "reused":
+            assert (a2, b2, c2) == (a1, b1, c1), "the next test is handed the same groups"
+            assert destroyed == c1
+            assert recreated != destroyed, "a group the test destroyed is created again"
+            assert failed == recreated
+            assert after != failed, "a failed test empties the cache"
+            assert len(set(sub)) == 1, "subtests are handed the same group"
+        else:
+            assert c2 != c1 and recreated != destroyed and after != failed
+            assert len(set(sub)) == 3, "--fresh-groups: every subtest creates its own"
