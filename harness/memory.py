@@ -1,7 +1,8 @@
 """How many bytes of tensor memory a rank holds, at points a test marks.
 
 [Note: Measuring tensor memory on CPU ranks]
-On CUDA, ``torch.cuda.memory_allocated`` answers at once. The CPU allocator
+On CUDA, the caching allocator's count of requested bytes answers at once (see
+[Note: Measuring tensor memory on CUDA ranks]). The CPU allocator
 keeps no such count, but torch's profiler, with ``profile_memory=True``, records
 every allocation and free of the threads it profiles with its size. A
 ``MemoryMeter`` on a CPU rank profiles the whole measured stretch; ``mark(key)``
@@ -72,9 +73,7 @@ class MemoryMeter:
         self._keys.append(key)
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            _clear_cublas_workspaces()  # not tensors: upstream clears them too
-            self._cuda[key] = torch.cuda.memory_allocated(self.device)
+            self._cuda[key] = _cuda_bytes_requested(self.device)
             return
         with record_function(_MARK + key):
             pass
@@ -170,6 +169,22 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+def _cuda_bytes_requested(device: torch.device) -> int:
+    """[Note: Measuring tensor memory on CUDA ranks]
+    The bytes the caching allocator was asked for and has not taken back: its
+    ``requested_bytes`` count, not ``memory_allocated``, which counts blocks
+    rounded up to 512 bytes (so a few small tensors differ from the CPU ranks'
+    exact sizes). A tensor freed while another stream still used it (a
+    collective's, through ``record_stream``) stays allocated until the allocator
+    sees that stream's event done, which it checks only in its next allocation:
+    after synchronising, one small allocation settles those frees."""
+    torch.cuda.synchronize(device)
+    _clear_cublas_workspaces()  # not tensors: upstream clears them too
+    torch.empty(1, device=device)  # processes the frees waiting on stream events
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("requested_bytes.all.current", torch.cuda.memory_allocated(device)))
 
 
 def _clear_cublas_workspaces() -> None:
