@@ -320,7 +320,7 @@ _LOCAL_PRIVATE = {
         "FlatParameter FlatParamHandle FlatParamShardMetadata HandleShardingStrategy"
     ),
     "fsdp._init": "_init_intra_and_inter_node_groups",
-    "fsdp._optim_state_dict": "_get_param_to_fqns",
+    "fsdp._state_dict.optim_keys": "_get_param_to_fqns",
     "fsdp._runtime": "HOMOGENEOUS_ATTR_NAMES",
     "fsdp._shard_utils": "_all_gather_dtensor _create_chunk_dtensor _create_chunk_sharded_tensor",
     "fsdp._utils": "_apply_to_tensors _replace_by_prefix",

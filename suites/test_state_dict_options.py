@@ -323,7 +323,7 @@ class _StateDictOptions(FSDPTest):
             state_dict = self._broadcast_from_rank0(state_dict)
         # Torch's FSDP leaves a local state dict's flat parameter key in place
         # when the flat parameter is not registered (use_orig_params=True), and
-        # loads through the original parameters' views (see fsdp._state_dict).
+        # loads through the original parameters' views (see fsdp._state_dict.kinds).
         torch_local_orig = (
             ADAPTER.known_defects.local_state_dict_keeps_flat_param_key
             and kind is StateDictType.LOCAL_STATE_DICT
