@@ -202,14 +202,6 @@ class FullyShardedDataParallel(nn.Module):
         return self._state.state_dict_type
 
     @property
-    def _state_dict_config(self) -> StateDictConfig:
-        return self._state.state_dict_config
-
-    @property
-    def _optim_state_dict_config(self) -> OptimStateDictConfig | None:
-        return self._state.state_dict_settings.optim_state_dict_config
-
-    @property
     def training_state(self) -> TrainingState:
         return self._state.training_state
 

@@ -167,11 +167,6 @@ def _config(kind: StateDictType, rank0_only: bool, offload: bool) -> Any:
     return LocalStateDictConfig(offload_to_cpu=offload)
 
 
-def _option_name(option: tuple[StateDictType, bool, bool]) -> str:
-    kind, rank0_only, offload = option
-    return f"{kind.name}(rank0_only={rank0_only}, offload_to_cpu={offload})"
-
-
 def _full_state(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The full parameters and the persistent buffers (``scratch`` is not saved)."""
     with FSDP.summon_full_params(model):
