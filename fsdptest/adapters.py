@@ -141,7 +141,7 @@ class KnownDefects:
     local_state_dict_keeps_flat_param_key: bool = False
     """LOCAL_STATE_DICT with use_orig_params=True is saved under ``_flat_param``
     and that key is rejected on load (suites/test_property_findings.py,
-    suites/test_state_dict_options.py, tests/test_fsdp_features.py)."""
+    suites/test_state_dict_options.py, tests/fsdp/test_fsdp_features.py)."""
     keeps_frozen_units_unsharded: bool = False
     """A frozen unit under SHARD_GRAD_OP keeps its parameters unsharded after
     backward (suites/test_property_findings.py, fsdptest/properties/lockstep.py)."""
@@ -170,7 +170,7 @@ class KnownDefects:
     (suites/test_fsdp_tp_integration.py)."""
     flatten_keeps_unwrapped_sharded_tensors: bool = False
     """flatten_sharded_optim_state_dict leaves states of parameters outside every
-    unit as ShardedTensors (tests/test_fsdp_features.py)."""
+    unit as ShardedTensors (tests/fsdp/test_fsdp_features.py)."""
 
     @classmethod
     def all_present(cls) -> KnownDefects:
