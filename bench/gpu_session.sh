@@ -75,7 +75,7 @@ torchrun)
     timeout 250 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest \
         -p no:cacheprovider --launcher torchrun suites/test_core.py -rs >"$OUT/standalone.log" 2>&1
     tail -n 5 "$OUT/standalone.log"
-    two_agents 29511 tests/torchrun_cases.py suites/test_core.py::TestHooks -rs
+    two_agents 29511 tests/harness/torchrun_cases.py suites/test_core.py::TestHooks -rs
     ;;
 suites)
     impl=${1:-local}

@@ -105,7 +105,7 @@ class LocalStateDictConfig(StateDictConfig):
 class ShardedStateDictConfig(StateDictConfig):
     """``_use_dtensor`` is torch's private switch between ``DTensor`` and
     ``ShardedTensor`` values; FSDP sets it when the unit has a device mesh (see
-    [Note: _use_dtensor follows the device mesh] in fsdp._state_dict)."""
+    [Note: _use_dtensor follows the device mesh] in fsdp._state_dict.settings)."""
 
     _use_dtensor: bool = False
 

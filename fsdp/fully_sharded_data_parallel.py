@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from fsdp import _optim_state_dict as _osd
+from fsdp import _state_dict as _osd
 from fsdp._clip_grad import clip_grad_norm
 from fsdp._common import (
     FLAT_PARAM,
@@ -202,14 +202,6 @@ class FullyShardedDataParallel(nn.Module):
         return self._state.state_dict_type
 
     @property
-    def _state_dict_config(self) -> StateDictConfig:
-        return self._state.state_dict_config
-
-    @property
-    def _optim_state_dict_config(self) -> OptimStateDictConfig | None:
-        return self._state.state_dict_settings.optim_state_dict_config
-
-    @property
     def training_state(self) -> TrainingState:
         return self._state.training_state
 
@@ -391,7 +383,7 @@ class FullyShardedDataParallel(nn.Module):
                 previous.optim_state_dict_config,
             )
 
-    # -- optimizer state dicts (see fsdp._optim_state_dict) -------------------------------------------
+    # -- optimizer state dicts (see fsdp._state_dict) -------------------------------------------
 
     @staticmethod
     def optim_state_dict(

@@ -141,7 +141,7 @@ class KnownDefects:
     local_state_dict_keeps_flat_param_key: bool = False
     """LOCAL_STATE_DICT with use_orig_params=True is saved under ``_flat_param``
     and that key is rejected on load (suites/test_property_findings.py,
-    suites/test_state_dict_options.py, tests/test_fsdp_features.py)."""
+    suites/test_state_dict_options.py, tests/fsdp/test_fsdp_features.py)."""
     keeps_frozen_units_unsharded: bool = False
     """A frozen unit under SHARD_GRAD_OP keeps its parameters unsharded after
     backward (suites/test_property_findings.py, fsdptest/properties/lockstep.py)."""
@@ -170,7 +170,7 @@ class KnownDefects:
     (suites/test_fsdp_tp_integration.py)."""
     flatten_keeps_unwrapped_sharded_tensors: bool = False
     """flatten_sharded_optim_state_dict leaves states of parameters outside every
-    unit as ShardedTensors (tests/test_fsdp_features.py)."""
+    unit as ShardedTensors (tests/fsdp/test_fsdp_features.py)."""
 
     @classmethod
     def all_present(cls) -> KnownDefects:
@@ -320,7 +320,7 @@ _LOCAL_PRIVATE = {
         "FlatParameter FlatParamHandle FlatParamShardMetadata HandleShardingStrategy"
     ),
     "fsdp._init": "_init_intra_and_inter_node_groups",
-    "fsdp._optim_state_dict": "_get_param_to_fqns",
+    "fsdp._state_dict.optim_keys": "_get_param_to_fqns",
     "fsdp._runtime": "HOMOGENEOUS_ATTR_NAMES",
     "fsdp._shard_utils": "_all_gather_dtensor _create_chunk_dtensor _create_chunk_sharded_tensor",
     "fsdp._utils": "_apply_to_tensors _replace_by_prefix",

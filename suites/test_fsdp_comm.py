@@ -146,29 +146,6 @@ class TestCommunication(FSDPTest):
             num_all_gathers *= 3
         return num_all_gathers
 
-    def _print_ref_num_all_gathers_in_pass(
-        self,
-        num_fsdp: int,
-        sharding_strategy: ShardingStrategy | None,
-        pass_type: PassType,
-        is_first_iter: bool,
-        is_last_iter_no_sync: bool,
-    ) -> None:
-        """Helper method for printing the number of all-gathers for a specific
-        setting. This may be helpful since the branching is complex."""
-        if self.rank != 0:
-            return  # only print on one rank
-        num_all_gathers = self._get_ref_num_all_gathers_in_pass(
-            num_fsdp, sharding_strategy, pass_type, is_first_iter, is_last_iter_no_sync
-        )
-        print(
-            f"Pass: {pass_type}\n"
-            f"Is First Iteration: {is_first_iter}\n"
-            f"Sharding Strategy: {sharding_strategy}\n"
-            f"Last iteration in `no_sync()`: {is_last_iter_no_sync}\n"
-            f"Number of all-gathers: {num_all_gathers}"
-        )
-
     @parametrize("nested_model", [False, True])
     @parametrize("use_no_sync", [False, True])
     @parametrize("sharding_strategy", [ShardingStrategy.SHARD_GRAD_OP, None])

@@ -13,7 +13,7 @@ here 2, so that two GPUs run it on NCCL, with a one-row layer that leaves rank 1
 an empty chunk (upstream's uneven model leaves rank 3 one at 4 ranks).
 
 Also asserted (facts of torch's FSDP, found here): when ``_use_dtensor`` becomes
-True (see [Note: _use_dtensor follows the device mesh] in ``fsdp._state_dict``),
+True (see [Note: _use_dtensor follows the device mesh] in ``fsdp._state_dict.settings``),
 and which values load into which wrapping: ours loads a sharded model state
 dict of either kind into either wrapping; torch's loads only the kind it saves
 (a ``ShardedTensor`` into a unit with a mesh fails with ``AttributeError``, a

@@ -167,11 +167,6 @@ def _config(kind: StateDictType, rank0_only: bool, offload: bool) -> Any:
     return LocalStateDictConfig(offload_to_cpu=offload)
 
 
-def _option_name(option: tuple[StateDictType, bool, bool]) -> str:
-    kind, rank0_only, offload = option
-    return f"{kind.name}(rank0_only={rank0_only}, offload_to_cpu={offload})"
-
-
 def _full_state(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The full parameters and the persistent buffers (``scratch`` is not saved)."""
     with FSDP.summon_full_params(model):
@@ -323,7 +318,7 @@ class _StateDictOptions(FSDPTest):
             state_dict = self._broadcast_from_rank0(state_dict)
         # Torch's FSDP leaves a local state dict's flat parameter key in place
         # when the flat parameter is not registered (use_orig_params=True), and
-        # loads through the original parameters' views (see fsdp._state_dict).
+        # loads through the original parameters' views (see fsdp._state_dict.kinds).
         torch_local_orig = (
             ADAPTER.known_defects.local_state_dict_keeps_flat_param_key
             and kind is StateDictType.LOCAL_STATE_DICT

@@ -207,11 +207,6 @@ def _move_to_device(model: nn.Module, move_to_device: bool) -> nn.Module:
     return model.to(current_device()) if move_to_device else model
 
 
-def _maybe_cuda(model: nn.Module, move_to_cuda: bool) -> nn.Module:
-    """The older name of ``_move_to_device`` ("cuda" being the test's device)."""
-    return _move_to_device(model, move_to_cuda)
-
-
 def _maybe_wrap_fsdp(model: nn.Module, wrap_fsdp: bool, *args: Any, **kwargs: Any) -> nn.Module:
     return FSDP(model, *args, **kwargs) if wrap_fsdp else model
 
@@ -330,7 +325,6 @@ __all__ = [
     "_assert_module_states",
     "_broadcast_state_dict",
     "_get_state_dict",
-    "_maybe_cuda",
     "_maybe_wrap_fsdp",
     "_move_to_device",
     "_zero_model",

@@ -1,7 +1,7 @@
 # An FSDP test file in the style of upstream's test/distributed/fsdp/test_fsdp_apply.py
 # and test_fsdp_clip_grad_norm.py, written for this project. Only its imports differ
 # from a file written against torch.testing._internal; each says what it replaces.
-# tests/test_upstream_compat.py runs it as test_fsdp_apply_and_clip.py, under both
+# tests/upstream/test_upstream_compat.py runs it as test_fsdp_apply_and_clip.py, under both
 # --fsdp-impl local and --fsdp-impl torch, with --map-cuda-to-cpu on a CPU machine.
 
 import itertools

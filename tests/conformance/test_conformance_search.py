@@ -54,7 +54,7 @@ PLANTED = textwrap.dedent(
 
     import fsdp._clip_grad
     import fsdp._comm
-    import fsdp._optim_state_dict
+    import fsdp._state_dict.optim_unit
     import fsdp._orig_params
     import fsdp._runtime
     import fsdp._unshard_params
@@ -85,7 +85,7 @@ PLANTED = textwrap.dedent(
 
     def missing_warning():
         """The deprecated optimizer-state APIs no longer warn."""
-        fsdp._optim_state_dict.warn_legacy = lambda current, replacement: None
+        fsdp._state_dict.warn_legacy = lambda current, replacement: None
 
 
     def exception_message():
@@ -186,7 +186,7 @@ PLANTED = textwrap.dedent(
 
     def optim_state_aliases_live_step():
         """A saved optimizer state's scalar (Adam's step) is the live tensor."""
-        original = fsdp._optim_state_dict.UnitLayout.gather_flat_state
+        original = fsdp._state_dict.optim_unit.UnitLayout.gather_flat_state
 
         def gather(self, state, to_save, form):
             saved = original(self, state, to_save, form)
@@ -196,7 +196,7 @@ PLANTED = textwrap.dedent(
                         entry[name] = value
             return saved
 
-        fsdp._optim_state_dict.UnitLayout.gather_flat_state = gather
+        fsdp._state_dict.optim_unit.UnitLayout.gather_flat_state = gather
 
 
     def gradient_divide_factor():

@@ -1,4 +1,4 @@
-"""An FSDP implementation under another module name, for ``--fsdp-impl tests.example_impl``.
+"""An FSDP implementation under another module name, for ``--fsdp-impl tests.harness.example_impl``.
 
 It is this project's ``fsdp`` seen only through its public FSDP1 API, as a foreign
 package would offer one: every public name at the top level (no ``wrap`` or

@@ -1,4 +1,4 @@
-"""Models, policies and cases shared by ``tests/test_wrap_policies.py``: a fake
+"""Models, policies and cases shared by ``tests/fsdp/test_wrap_policies.py``: a fake
 wrapper standing in for FullyShardedDataParallel, small models with the module
 kinds the policies single out, and the auto-wrap cases run through ours and
 torch's ``fsdp.wrap``.

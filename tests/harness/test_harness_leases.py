@@ -20,7 +20,7 @@ import pytest
 
 from harness._controller.leases import GpuLeases, LeaseState, read_journal
 from tests.conftest import ROOT
-from tests.test_harness_runner import src
+from tests.harness.test_harness_runner import src
 
 GPUS = ("g0", "g1")
 

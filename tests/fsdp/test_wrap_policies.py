@@ -37,7 +37,7 @@ from fsdp.wrap import (
     transformer_auto_wrap_policy,
     wrap,
 )
-from tests.wrap_policy_cases import (
+from tests.fsdp.wrap_policy_cases import (
     ALREADY_WRAPPED,
     CASES,
     FROZEN_PREFIX,

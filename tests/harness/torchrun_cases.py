@@ -1,4 +1,4 @@
-"""Planted cases for tests/test_torchrun.py (run under torchrun, not collected by
+"""Planted cases for tests/harness/test_torchrun.py (run under torchrun, not collected by
 default): a failure on rank 1 only, a rank blocked after another failed, a
 failing subtest, a test after those, a world size torchrun did not start, and a
 test that is not distributed."""

@@ -13,10 +13,10 @@ import pytest
 
 from fsdptest.implementations import ENTRY_POINT_GROUP, Implementation, resolve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "suites" / "test_construction.py"
 SEAM_SUITE = ROOT / "suites" / "test_fsdp_backward_prefetch.py"
-EXAMPLE = "tests.example_impl"
+EXAMPLE = "tests.harness.example_impl"
 
 # Appended to a suite: proves, inside the ranks, which implementation served it.
 PROBE = textwrap.dedent(
@@ -28,11 +28,11 @@ PROBE = textwrap.dedent(
     class TestImplementationProbe(_ProbeBase):
         def test_the_facade_serves_the_example_module(self):
             import fsdptest.api
-            import tests.example_impl
+            import tests.harness.example_impl
 
-            assert fsdptest.api.IMPLEMENTATION.module == "tests.example_impl"
-            assert fsdptest.api.FSDP is tests.example_impl.FullyShardedDataParallel
-            assert fsdptest.api.wrap is tests.example_impl.wrap
+            assert fsdptest.api.IMPLEMENTATION.module == "tests.harness.example_impl"
+            assert fsdptest.api.FSDP is tests.harness.example_impl.FullyShardedDataParallel
+            assert fsdptest.api.wrap is tests.harness.example_impl.wrap
     """
 )
 
@@ -63,14 +63,15 @@ def test_a_suite_runs_through_a_module_path(inner: Any) -> None:
 def test_a_suite_runs_through_an_entry_point(
     inner: Any, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A distribution registering ``example = tests.example_impl`` in the entry-point group
+    """A distribution registering ``example = tests.harness.example_impl`` in the entry-point group
     makes ``--fsdp-impl example`` run the suite against the adapter."""
     _register(pytester.path, monkeypatch, "example", EXAMPLE)
     run = inner(_suite_with_probe(), "--fsdp-impl", "example", "-k", "Probe or nested_unit_inside")
     assert run.result.parseoutcomes().get("passed", 0) >= 2, run.text
     run.result.assert_outcomes(passed=run.result.parseoutcomes()["passed"])
-    assert "fsdp implementation: example = tests.example_impl (entry point of example-fsdp)" in (
-        run.text
+    assert (
+        "fsdp implementation: example = tests.harness.example_impl (entry point of example-fsdp)"
+        in run.text
     )
 
 
@@ -82,8 +83,9 @@ def test_unknown_name_is_a_usage_error_listing_the_known_ones(
     assert run.result.ret == pytest.ExitCode.USAGE_ERROR
     error = run.result.stderr.str()
     assert "--fsdp-impl 'no_such_fsdp' is neither a known FSDP implementation" in error
-    assert "Known: local (fsdp), torch (torch.distributed.fsdp), example (tests.example_impl)" in (
-        error
+    assert (
+        "Known: local (fsdp), torch (torch.distributed.fsdp), example (tests.harness.example_impl)"
+        in error
     )
     assert "INTERNALERROR" not in run.text + error
 
@@ -119,7 +121,7 @@ def test_private_seams_skip_with_the_reason(inner: Any) -> None:
     run.result.assert_outcomes(skipped=1)
     assert (
         "needs SEAMS (the runtime functions tests patch), a private part of this project's "
-        "and torch's FSDP that the FSDP under test (tests.example_impl) does not have"
+        "and torch's FSDP that the FSDP under test (tests.harness.example_impl) does not have"
     ) in run.text
 
 

@@ -39,7 +39,7 @@ ON_CPU = INNER_DEVICE == "cpu"
 
 @pytest.mark.parametrize("impl", ["local", "torch"])
 def test_upstream_style_file_passes_under_both_implementations(inner: Any, impl: str) -> None:
-    """tests/upstream_style/fsdp_apply_and_clip.py (upstream's idioms, only the imports
+    """tests/upstream/upstream_style/fsdp_apply_and_clip.py (upstream's idioms, only the imports
     changed) passes, with upstream's class and test names."""
     run = inner(
         UPSTREAM_STYLE_FILE.read_text(),
@@ -84,7 +84,7 @@ A_RANK_FAILS = textwrap.dedent(
 def test_upstream_style_dtensor_file_runs_with_its_ranks_and_survives_a_failing_rank(
     inner: Any, impl: str
 ) -> None:
-    """tests/upstream_style/fsdp_dtensor.py (device meshes, DTensorTestBase,
+    """tests/upstream/upstream_style/fsdp_dtensor.py (device meshes, DTensorTestBase,
     with_comms, skip_if_lt_x_gpu(4), tensor parallelism; only the imports changed)
     runs with 4 ranks at --world-size 2 and passes under both implementations,
     meshes made in subtests included; a test in front of it whose rank 1 fails

@@ -124,7 +124,7 @@ def test_filter_parses_nested_commas_and_ignores_addresses():
     rendered = combos[1].render()
     assert (
         rendered
-        == "mp=_MixedLike(bits=16, other=None), fn=_scale, obj=<tests.test_harness_units._Opaque object>"
+        == "mp=_MixedLike(bits=16, other=None), fn=_scale, obj=<tests.harness.test_harness_units._Opaque object>"
     )
     assert "0x" not in rendered
     for combo in combos:

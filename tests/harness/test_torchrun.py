@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-CASES = "tests/torchrun_cases.py"
+CASES = "tests/harness/torchrun_cases.py"
 SUITE = ("suites/test_core.py::TestAutograd", "suites/test_core.py::TestParamInit")
 
 
