@@ -19,21 +19,8 @@ reshards and reduces its gradient (fsdp._reduce) itself; ``FSDPState``
 (fsdp._runtime) holds the hooks and the tree and decides when. Callers that
 need a part use it directly (``handle.storage``, ``handle.views``,
 ``handle.grads``, ``handle.layout``): the unit does not forward to them.
-
-[Note: The unit's lifecycle]
-One ``UnitState`` says what the unit does now and how far the iteration got
-(see [Note: One lifecycle per object] in fsdp._lifecycle for the checking):
-
-    IDLE --forward with grad--> FORWARD --> AWAITING_BACKWARD --pre-backward-->
-    PRE_BACKWARD --post-backward--> POST_BACKWARD --end of backward--> IDLE
-
-A forward without grad goes IDLE -> FORWARD -> IDLE. Several forwards before
-one backward: from AWAITING_BACKWARD a forward runs as
-``FORWARD_BEFORE_BACKWARD`` and returns there; a summon as
-``SUMMONED_BEFORE_BACKWARD``. A post-backward without a pre-backward (the
-unit's outputs needed no gradient while its parameters got one through another
-path) goes to POST_BACKWARD straight. ``_TRANSITIONS`` lists every move;
-``training_state`` reads it as torch's ``HandleTrainingState``.
+Its lifecycle is a ``UnitState`` (fsdp._unit_state), its post-backward hook a
+``PostBackwardHook`` (fsdp._backward_hook).
 
 An all-gather issued ahead of the unit's own use (a prefetch) leaves the flat
 parameter sharded and the unshard's CUDA event with the unit; the unit's own
@@ -41,32 +28,19 @@ unshard then finds the data ready and waits on it. ``prefetched`` (torch's
 ``_prefetched``) says that such an unshard was issued since the last reshard,
 so that the unit is not chosen for another one; it is prefetch bookkeeping
 that any state may carry, not a step of the lifecycle.
-
-[Note: The post-backward hook's node]
-Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
-with CPU offload or parameter mixed precision) makes autograd start a new
-``AccumulateGrad`` node for the flat parameter. With several forwards before
-one backward, each forward's views then feed their own node, and each node
-accumulates into the same ``.grad``. A hook on the tensor
-(``register_post_accumulate_grad_hook``) would fire at the first node to finish,
-resharding while an earlier forward's backward still needs the unsharded data.
-The hook therefore goes on the node of the first forward of the iteration: its
-backward runs last. If that forward's graph is never backpropagated, the
-runtime's end-of-backward callback runs the post-backward step instead.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from fsdp import _comm
+from fsdp._backward_hook import PostBackwardHook
 from fsdp._common import HandleTrainingState, profiler_label
 from fsdp._dtensor_extensions import DTensorExtensions, ParamExtension
 from fsdp._grads import FlatParamGrads
@@ -86,6 +60,7 @@ from fsdp._orig_params import OrigParamViews
 from fsdp._reduce import CommHookSpec, ReducePlan, reduce_gradient
 from fsdp._storage import FlatParameter, FlatParamStorage, free_storage
 from fsdp._streams import CommStreams
+from fsdp._unit_state import TORCH_STATE, UNIT_TRANSITIONS, UnitState
 
 __all__ = [
     "FlatParamHandle",
@@ -93,7 +68,6 @@ __all__ = [
     "FlatParameter",
     "HandleShardingStrategy",
     "HandleTrainingState",
-    "UnitState",
 ]
 
 
@@ -106,52 +80,6 @@ class HandleShardingStrategy(enum.Enum):
 
     def is_sharded(self) -> bool:
         return self is not HandleShardingStrategy.NO_SHARD
-
-
-class UnitState(enum.Enum):
-    """The unit's lifecycle (see [Note: The unit's lifecycle])."""
-
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    AWAITING_BACKWARD = enum.auto()
-    FORWARD_BEFORE_BACKWARD = enum.auto()
-    SUMMONED = enum.auto()
-    SUMMONED_BEFORE_BACKWARD = enum.auto()
-    PRE_BACKWARD = enum.auto()
-    POST_BACKWARD = enum.auto()
-
-
-_S = UnitState
-_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
-    _S.IDLE: frozenset({_S.IDLE, _S.FORWARD, _S.SUMMONED, _S.POST_BACKWARD}),
-    _S.FORWARD: frozenset({_S.IDLE, _S.AWAITING_BACKWARD}),
-    _S.AWAITING_BACKWARD: frozenset(
-        {
-            _S.IDLE,  # end of a backward that never reached the unit
-            _S.FORWARD_BEFORE_BACKWARD,
-            _S.SUMMONED_BEFORE_BACKWARD,
-            _S.PRE_BACKWARD,
-            _S.POST_BACKWARD,
-        }
-    ),
-    _S.FORWARD_BEFORE_BACKWARD: frozenset({_S.AWAITING_BACKWARD}),
-    _S.SUMMONED: frozenset({_S.IDLE}),
-    _S.SUMMONED_BEFORE_BACKWARD: frozenset({_S.AWAITING_BACKWARD}),
-    _S.PRE_BACKWARD: frozenset({_S.POST_BACKWARD, _S.IDLE}),
-    _S.POST_BACKWARD: frozenset({_S.IDLE}),
-}
-
-# What each state reads as in torch's terms (tests and prefetch look at these).
-_TORCH_STATE = {
-    _S.IDLE: HandleTrainingState.IDLE,
-    _S.FORWARD: HandleTrainingState.FORWARD,
-    _S.AWAITING_BACKWARD: HandleTrainingState.IDLE,
-    _S.FORWARD_BEFORE_BACKWARD: HandleTrainingState.FORWARD,
-    _S.SUMMONED: HandleTrainingState.SUMMON_FULL_PARAMS,
-    _S.SUMMONED_BEFORE_BACKWARD: HandleTrainingState.SUMMON_FULL_PARAMS,
-    _S.PRE_BACKWARD: HandleTrainingState.BACKWARD_PRE,
-    _S.POST_BACKWARD: HandleTrainingState.BACKWARD_POST,
-}
 
 
 def _check_uniform(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
@@ -195,8 +123,7 @@ class FlatParamHandle:
     _reduce_plan: ReducePlan
     _streams: CommStreams | None  # the tree's, from lazy initialisation on
     _unshard_event: torch.cuda.Event | None
-    # (the AccumulateGrad node or None, its hook's handle, the hook: see _weakly)
-    _post_backward_hook: tuple[Any, RemovableHandle, Callable[[], None]] | None
+    post_backward_hook: PostBackwardHook
     _fsdp_extension: DTensorExtensions | None
     _param_extensions: tuple[ParamExtension | None, ...]  # per original parameter
 
@@ -252,12 +179,12 @@ class FlatParamHandle:
             not use_unsafe_setattr,
             self._param_extensions,
         )
-        self.lifecycle = Lifecycle(UnitState.IDLE, _TRANSITIONS, "FlatParamHandle")
+        self.lifecycle = Lifecycle(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
         self.has_optim_in_backward = False
         self.prefetched = False
         self._streams = None
         self._unshard_event = None
-        self._post_backward_hook = None
+        self.post_backward_hook = PostBackwardHook(self.flat_param)
 
     def _build_parts(
         self,
@@ -329,7 +256,7 @@ class FlatParamHandle:
     @property
     def training_state(self) -> HandleTrainingState:
         """The lifecycle in torch's terms (``HandleTrainingState``)."""
-        return _TORCH_STATE[self.lifecycle.state]
+        return TORCH_STATE[self.lifecycle.state]
 
     def param_infos(self) -> tuple[ParamInfo, ...]:
         return self.layout.param_infos
@@ -494,7 +421,7 @@ class FlatParamHandle:
             if fresh:
                 self.views.fresh_grads()
             self._show_grads()
-        self.remove_post_backward_hook()
+        self.post_backward_hook.remove()
         self.lifecycle.move(UnitState.IDLE)
         self.prefetched = False
         self.views.end_iteration()
@@ -772,57 +699,3 @@ class FlatParamHandle:
         self.grads.set_reduced(reduced, self.grad_dtype())
         if self.has_optim_in_backward:
             self._step_optimizers_in_backward()
-
-    # -- the post-backward hook ------------------------------------------------------------------
-
-    def has_post_backward_hook(self) -> bool:
-        return self._post_backward_hook is not None
-
-    def register_post_backward_hook(self, hook: Callable[[], None]) -> bool:
-        """Hooks the ``AccumulateGrad`` node that views made from the flat
-        parameter now feed, once per iteration; returns whether this call
-        registered it. See [Note: The post-backward hook's node]."""
-        if self._post_backward_hook is not None or not self.flat_param.requires_grad:
-            return False
-        grad_fn = self.flat_param.expand_as(self.flat_param).grad_fn
-        assert grad_fn is not None, "the post-backward hook needs autograd enabled"
-        node = grad_fn.next_functions[0][0]
-        self._post_backward_hook = (node, node.register_hook(_weakly(hook)), hook)
-        return True
-
-    def register_reshard_only_hook(self, inputs: list[Tensor], hook: Callable[[], None]) -> bool:
-        """For a flat parameter that needs no gradient: ``hook`` runs once the
-        gradients of ``inputs`` are computed, once per iteration; returns
-        whether this call registered it."""
-        if self._post_backward_hook is not None:
-            return False
-        handle = torch.autograd.graph.register_multi_grad_hook(inputs, _weakly(hook))
-        self._post_backward_hook = (None, handle, hook)
-        return True
-
-    def remove_post_backward_hook(self) -> None:
-        if self._post_backward_hook is not None:
-            self._post_backward_hook[1].remove()
-            self._post_backward_hook = None
-
-
-def _weakly(hook: Callable[[], None]) -> Callable[..., None]:
-    """``hook`` called through a weak reference.
-
-    [Note: Post-backward hooks hold their unit weakly]
-    An autograd node keeps its hooks in C++, where the garbage collector cannot
-    see them, and the AccumulateGrad node keeps the flat parameter. A hook that
-    held the unit's state strongly would make state -> handle -> node -> hook ->
-    state a cycle the collector cannot break: after a forward that raised (no
-    backward removes the hook) the unit, its process groups and its memory would
-    live as long as the process. The handle holds the hook (a cycle the
-    collector sees); the node only a weak reference to it.
-    """
-    ref = weakref.ref(hook)
-
-    def call(*_: object) -> None:
-        alive = ref()
-        if alive is not None:
-            alive()
-
-    return call

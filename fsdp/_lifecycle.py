@@ -26,10 +26,11 @@ Transitions = Mapping[E, frozenset[E]]
 class Lifecycle(Generic[E]):
     """The state of one object and the moves its table allows."""
 
-    __slots__ = ("_allowed", "_owner", "state")
+    __slots__ = ("_allowed", "_next", "_owner", "state")
 
     state: E
     _allowed: Transitions[E]
+    _next: frozenset[E]  # _allowed[state], looked up once per move
     _owner: str
 
     def __init__(self, initial: E, allowed: Transitions[E], owner: str) -> None:
@@ -40,13 +41,15 @@ class Lifecycle(Generic[E]):
             )
         self.state = initial
         self._allowed = allowed
+        self._next = allowed[initial]
         self._owner = owner
 
     def move(self, new: E) -> None:
         """Changes the state to ``new``; raises ``AssertionError`` (torch's type for
         a broken FSDP invariant) when the table does not allow the move."""
-        if new not in self._allowed[self.state]:
+        if new not in self._next:
             raise AssertionError(
                 f"{self._owner}: {self.state.name} -> {new.name} is not an allowed transition"
             )
         self.state = new
+        self._next = self._allowed[new]

@@ -385,10 +385,16 @@ class FSDPState:
 
     # -- forward -------------------------------------------------------------------------
 
-    @_eager
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        if self.is_root is None:
-            self.lazy_init()
+        """Lazy initialisation, then the root's work (see [Note: One iteration]);
+        nothing for the other units."""
+        if self.is_root is False:
+            return args, kwargs
+        return self._root_pre_forward(args, kwargs)
+
+    @_eager
+    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.lazy_init()
         if not self.is_root:
             return args, kwargs
         with profiler_label("FSDP::root_pre_forward"):
@@ -472,9 +478,9 @@ class FSDPState:
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
-        (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
-        if not handle.has_post_backward_hook():
-            handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+        (see [Note: The post-backward hook's node] in fsdp._backward_hook)."""
+        if not handle.post_backward_hook.is_registered():
+            handle.post_backward_hook.register(self._make_post_backward_hook(handle))
 
     def _register_post_backward_reshard_only_hook(
         self, handle: FlatParamHandle, args: Any, kwargs: Any
@@ -483,11 +489,13 @@ class FSDPState:
         hook: it reshards once the gradients of its inputs are computed (all
         gradients that need its parameters are then done). Inputs that need no
         gradient leave it to the end of backward."""
-        if handle.has_post_backward_hook():
+        if handle.post_backward_hook.is_registered():
             return
         inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if inputs:
-            handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
+            handle.post_backward_hook.register_reshard_only(
+                inputs, self._make_reshard_only_hook(handle)
+            )
 
     # -- backward ------------------------------------------------------------------------
 
@@ -608,9 +616,11 @@ class FSDPState:
         unit's prefetch settings; None for none (see [Note: Execution order and
         prefetch] in fsdp._exec_order). The seam tests patch (torch's
         ``_runtime_utils._get_handle_to_prefetch(state, current_handle)``)."""
+        prefetch = self.config.backward_prefetch
+        if prefetch is None and not self.config.forward_prefetch:
+            return None
         order = self.root.exec_order
         training_state = current_handle.training_state
-        prefetch = self.config.backward_prefetch
         if (
             training_state is HandleTrainingState.BACKWARD_PRE
             and prefetch is BackwardPrefetch.BACKWARD_PRE

@@ -105,6 +105,7 @@ class FlatParamStorage:
     param_dtype: torch.dtype | None  # MixedPrecision.param_dtype
     force_full_precision: bool
     state: ShardState
+    _buffers: tuple[Tensor, ...]  # the unsharded and low-precision buffers, from init_buffers
 
     def __init__(
         self,
@@ -121,6 +122,7 @@ class FlatParamStorage:
         self.param_dtype = param_dtype
         self.force_full_precision = False
         self.state = ShardState.UNSHARDED  # until shard_in_place
+        self._buffers = ()
         self._describe_shard()
 
     # -- precision ------------------------------------------------------------------
@@ -188,6 +190,8 @@ class FlatParamStorage:
                 flat_param._full_prec_full_param_padded = self._empty(
                     self.shard.padded_numel, self.orig_dtype
                 )
+        names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
+        self._buffers = tuple(t for n in names if (t := getattr(flat_param, n, None)) is not None)
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         buffer = torch.empty(numel, dtype=dtype, device=self.device)
@@ -285,13 +289,7 @@ class FlatParamStorage:
 
     def unsharded_buffers(self) -> list[Tensor]:
         """The allocated unsharded (and low-precision) buffers."""
-        flat_param = self.flat_param
-        names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
-        return [
-            t
-            for n in names
-            if (t := getattr(flat_param, n, None)) is not None and not storage_freed(t)
-        ]
+        return [t for t in self._buffers if not storage_freed(t)]
 
     def buffers_freed_by_reshard(self, free_unsharded: bool) -> list[Tensor]:
         """What ``reshard(free_unsharded)`` releases (for the stream bookkeeping),
@@ -305,7 +303,7 @@ class FlatParamStorage:
         return [t for t in freed if t.device == self.device]  # not a CPU copy
 
     def free_unsharded(self) -> None:
-        for buffer in self.unsharded_buffers():
+        for buffer in self._buffers:
             free_storage(buffer)
 
     def low_precision_unsharded(self) -> Tensor | None:
