@@ -32,6 +32,7 @@ that any state may carry, not a step of the lifecycle.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ from fsdp._layout import (
     ShardParamInfo,
     SharedParamInfo,
     aligned_numel,
+    check_flattenable,
     shard_metadata,
     shard_param_infos,
 )
@@ -80,21 +82,6 @@ class HandleShardingStrategy(enum.Enum):
 
     def is_sharded(self) -> bool:
         return self is not HandleShardingStrategy.NO_SHARD
-
-
-def _check_uniform(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"Must flatten tensors with uniform dtype but got {sorted(map(str, dtypes))}"
-        )
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"Must flatten tensors on the same device but got {devices}")
-    if not use_orig_params and len({p.requires_grad for p in params}) != 1:
-        raise ValueError(
-            "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
-        )
 
 
 class FlatParamHandle:
@@ -152,7 +139,7 @@ class FlatParamHandle:
             )
         if fsdp_extension is not None:  # see [Note: Tensor-parallel parameters]
             params = fsdp_extension.localize(params, fully_sharded_module)
-        _check_uniform(params, use_orig_params)
+        check_flattenable(params, use_orig_params)
         self._fsdp_extension = fsdp_extension
         self.process_group = process_group
         self.replicate_group = replicate_group
@@ -333,11 +320,13 @@ class FlatParamHandle:
             self.views.show_resharded(self.flat_param)
         self._find_optimizers_in_backward()
 
-    def sync_requires_grad(self) -> None:
-        """``use_orig_params``: the flat parameter needs a gradient while any
-        original parameter does (the user may freeze or unfreeze them at any time)."""
+    def begin_root_forward(self, forward_prefetch: bool) -> None:
+        """At the root's pre-forward. ``use_orig_params``: the flat parameter needs
+        a gradient while any original parameter does (the user may freeze or
+        unfreeze them at any time). Forward prefetch starts afresh."""
         if self._use_orig_params:
             self.flat_param.requires_grad_(any(p.requires_grad for p in self.views.params))
+        self.prefetched = self.prefetched and not forward_prefetch
 
     # -- optimizers in backward ----------------------------------------------------------------
 
@@ -464,12 +453,9 @@ class FlatParamHandle:
             return
         streams = self._streams
         assert streams is not None, "FSDP unit used before lazy initialisation"
-        if streams.is_cuda:
-            with streams.on_unshard(), profiler_label("FSDP::unshard"):
-                self._all_gather(streams, prefetch)
-        else:
-            with profiler_label("FSDP::unshard"):
-                self._all_gather(streams, prefetch)
+        on_stream = streams.on_unshard() if streams.is_cuda else contextlib.nullcontext()
+        with on_stream, profiler_label("FSDP::unshard"):
+            self._all_gather(streams, prefetch)
 
     def _all_gather(self, streams: CommStreams, prefetch: bool) -> None:
         storage = self.storage
@@ -522,7 +508,7 @@ class FlatParamHandle:
             free_storage(buffer)
 
     def _release(self, tensors: list[Tensor]) -> None:
-        if self._streams is not None and tensors:
+        if self._streams is not None:
             self._streams.release(tensors)
 
     # -- summon_full_params ---------------------------------------------------------------------
@@ -688,10 +674,12 @@ class FlatParamHandle:
         grad = grads.take_unsharded()
         assert grad is not None and self._streams is not None
         streams = self._streams
-        if streams.is_cuda:
-            with streams.on_reduce(grad, grads.set_aside):
-                self._reduce(grad, hook)
-        else:
+        on_stream = (
+            streams.on_reduce(grad, grads.set_aside)
+            if streams.is_cuda
+            else contextlib.nullcontext()
+        )
+        with on_stream:
             self._reduce(grad, hook)
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:

@@ -156,22 +156,6 @@ class RootContext:
         return self.by_handle[handle]
 
 
-class UnshardHandle:
-    """What ``_unshard(async_op=True)`` returns: ``wait()`` makes the current
-    stream wait for the all-gather (nothing to wait for on the CPU)."""
-
-    _streams: CommStreams
-    _event: torch.cuda.Event | None
-
-    def __init__(self, streams: CommStreams, event: torch.cuda.Event | None) -> None:
-        self._streams = streams
-        self._event = event
-
-    def wait(self) -> None:
-        self._streams.compute_waits(self._event)
-        self._event = None
-
-
 def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
     """Each handle's original parameter names as seen from the root (no wrapper prefixes)."""
     fqns = {}
@@ -404,9 +388,7 @@ class FSDPState:
             for state in context.states:
                 state._cast_buffers(state.full_precision_now())
                 if state.handle is not None:
-                    state.handle.sync_requires_grad()
-                    if self.config.forward_prefetch:
-                        state.handle.prefetched = False
+                    state.handle.begin_root_forward(self.config.forward_prefetch)
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:

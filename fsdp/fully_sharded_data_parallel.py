@@ -24,8 +24,9 @@ from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
 from fsdp._reduce import CommHook
-from fsdp._runtime import FSDPState, UnshardHandle
+from fsdp._runtime import FSDPState
 from fsdp._state_dict import StateDictHooks, optim_settings_with_mesh
+from fsdp._streams import UnshardHandle
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
 from fsdp.api import (
