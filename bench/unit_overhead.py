@@ -17,10 +17,12 @@ only Python bookkeeping. Printed per mode:
   time to other processes on a loaded machine) of forward + backward +
   ``zero_grad``, without profiler;
 - ``per unit``: (FSDP step - the same model without FSDP) / units, in microseconds;
-- with ``--profile``: per unit and step, the cumulative cProfile CPU time of the
+- with ``--hooks``: per unit and step, the CPU time spent in each of the
   runtime's four hooks (``pre_forward``, ``post_forward``, ``_pre_backward``,
-  ``_post_backward`` of ``FSDPState``), which the profiler inflates (compare
-  only runs of this script with each other).
+  ``_post_backward`` of ``FSDPState``) and in the end-of-backward callback,
+  timed by wrappers around those methods (about a microsecond each);
+- with ``--profile``: the same four hooks' cumulative cProfile CPU time, which
+  the profiler inflates (compare only runs of this script with each other).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import os
 import pstats
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,9 +42,11 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp
+import fsdp._runtime as fsdp_runtime
 from fsdp.wrap import ModuleWrapPolicy
 
 HOOKS = ("pre_forward", "post_forward", "_pre_backward", "_post_backward")
+TIMED = (*HOOKS, "finalize_backward")
 
 
 class Block(nn.Module):
@@ -93,12 +99,40 @@ def hook_times(model: nn.Module, x: torch.Tensor, steps: int) -> dict[str, float
     return found
 
 
+def timed_hooks(model: nn.Module, x: torch.Tensor, steps: int) -> dict[str, float]:
+    """CPU seconds per hook over ``steps`` steps, from wrappers on ``FSDPState``."""
+    state_cls = fsdp_runtime.FSDPState
+    spent = dict.fromkeys(TIMED, 0.0)
+    originals = {name: getattr(state_cls, name) for name in TIMED}
+
+    def timer(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.process_time() - start
+
+        return timed
+
+    for name, method in originals.items():
+        setattr(state_cls, name, timer(name, method))
+    try:
+        for _ in range(steps):
+            step(model, x)
+    finally:
+        for name, method in originals.items():
+            setattr(state_cls, name, method)
+    return spent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--hooks", action="store_true", help="time each hook")
+    parser.add_argument("--profile", action="store_true", help="cProfile the hooks")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -119,9 +153,12 @@ def run(args: argparse.Namespace) -> None:
         median = median_step(model, x, args.steps)
         per_unit = (median - plain) / args.units * 1e6
         line = f"use_orig_params={use_orig_params!s:5}: step {median * 1e3:.2f} ms, per unit {per_unit:.0f} us"
+        scale = 1e6 / (args.steps * args.units)
+        if args.hooks:
+            spent = timed_hooks(model, x, args.steps)
+            line += "; per unit: " + ", ".join(f"{n} {t * scale:.0f} us" for n, t in spent.items())
         if args.profile:
             times = hook_times(model, x, args.steps)
-            scale = 1e6 / (args.steps * args.units)
             line += "; profiled per unit: " + ", ".join(
                 f"{name} {t * scale:.0f} us" for name, t in times.items()
             )
