@@ -46,11 +46,11 @@ class GradPlacement(NamedTuple):
             handle = state.handle
             if handle is None:
                 continue
-            params = handle.orig_params() if handle._use_orig_params else [handle.flat_param]
+            params = handle.views.params if handle._use_orig_params else [handle.flat_param]
             target = sharded if handle.uses_sharded_strategy else replicated
             for param in params:
                 target.setdefault(id(param), param)
-            managed.update(id(p) for p in (handle.flat_param, *handle.orig_params()))
+            managed.update(id(p) for p in (handle.flat_param, *handle.views.params))
         for param in root.parameters():
             if id(param) not in managed:
                 replicated.setdefault(id(param), param)

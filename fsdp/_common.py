@@ -83,6 +83,8 @@ class TrainingState(enum.Enum):
     FORWARD_BACKWARD = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
 
+    __hash__ = object.__hash__  # singletons: identity hashing, in C (checked on every hook)
+
 
 class HandleTrainingState(enum.Enum):
     """Lifecycle of one flat parameter within an iteration."""
@@ -110,4 +112,7 @@ def profiler_label(name: str) -> contextlib.AbstractContextManager[object]:
     a ``record_function`` costs microseconds on every hook of every unit."""
     if torch._C._autograd._profiler_enabled():
         return record_function(name)
-    return contextlib.nullcontext()
+    return _NO_LABEL
+
+
+_NO_LABEL = contextlib.nullcontext()  # reusable: it holds no state

@@ -1,8 +1,10 @@
-"""The flat parameter handle: one FSDP unit's parameters as one sharded tensor.
+"""The FSDP unit: one flat parameter, its memory, views and gradient, and the
+unshard, reshard and reduction of all of them.
 
-[Note: What the handle is made of]
-A handle composes four objects, one per domain noun, and owns the lifecycle
-that orders them:
+[Note: What the unit is made of]
+A ``FlatParamHandle`` (torch's name) is the unit object, as FSDP2's
+``FSDPParamGroup``: it owns four parts, one per domain noun, and does the
+unit's own work with them:
 
 - ``FlatParamLayout`` / ``ShardLayout`` (fsdp._layout): immutable; where each
   original parameter lies in the flat parameter and in this rank's shard.
@@ -12,52 +14,37 @@ that orders them:
   original parameter names, and the writeback of user changes.
 - ``FlatParamGrads`` (fsdp._grads): the gradient within and across backwards.
 
-The handle issues no collective: the runtime asks it for the all-gather input
-and output, runs the collective through ``fsdp._comm``, then hands the result
-back (``finish_unshard``); likewise for the gradient reduction.
+The unit unshards (all-gather through fsdp._comm on the tree's streams),
+reshards and reduces its gradient (fsdp._reduce) itself; ``FSDPState``
+(fsdp._runtime) holds the hooks and the tree and decides when. Callers that
+need a part use it directly (``handle.storage``, ``handle.views``,
+``handle.grads``, ``handle.layout``): the unit does not forward to them.
+Its lifecycle is a ``UnitState`` (fsdp._unit_state), its post-backward hook a
+``PostBackwardHook`` (fsdp._backward_hook).
 
-[Note: The handle's lifecycle]
-``training_state`` (torch's ``HandleTrainingState``) says what the handle does
-right now; ``phase`` says how far this iteration got:
-
-    IDLE --forward with grad--> AWAITING_BACKWARD --pre-backward--> IN_BACKWARD
-         --post-backward--> BACKWARD_DONE --end of backward--> IDLE
-
-Several forwards before one backward stay in ``AWAITING_BACKWARD``; a forward
-without grad leaves the phase alone. Every transition is a method that checks
-the state it starts from. An all-gather issued ahead of the unit's own use (a
-prefetch) leaves the flat parameter sharded and the unshard's CUDA event with
-the handle; the unit's own unshard then finds the data ready and waits on it.
-``prefetched`` (torch's ``_prefetched``) says that such an unshard was issued
-since the last reshard, so that the handle is not chosen for another one.
-
-[Note: The post-backward hook's node]
-Assigning ``flat_param.data`` a tensor of another device or dtype (unsharding
-with CPU offload or parameter mixed precision) makes autograd start a new
-``AccumulateGrad`` node for the flat parameter. With several forwards before
-one backward, each forward's views then feed their own node, and each node
-accumulates into the same ``.grad``. A hook on the tensor
-(``register_post_accumulate_grad_hook``) would fire at the first node to finish,
-resharding while an earlier forward's backward still needs the unsharded data.
-The hook therefore goes on the node of the first forward of the iteration: its
-backward runs last. If that forward's graph is never backpropagated, the
-runtime's end-of-backward callback runs the post-backward step instead.
+An all-gather issued ahead of the unit's own use (a prefetch) leaves the flat
+parameter sharded and the unshard's CUDA event with the unit; the unit's own
+unshard then finds the data ready and waits on it. ``prefetched`` (torch's
+``_prefetched``) says that such an unshard was issued since the last reshard,
+so that the unit is not chosen for another one; it is prefetch bookkeeping
+that any state may carry, not a step of the lifecycle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from fsdp._common import HandleTrainingState
+from fsdp import _comm
+from fsdp._backward_hook import PostBackwardHook
+from fsdp._common import HandleTrainingState, profiler_label
 from fsdp._dtensor_extensions import DTensorExtensions, ParamExtension
-from fsdp._grads import FlatParamGrads, SummonedGrad
+from fsdp._grads import FlatParamGrads
 from fsdp._layout import (
     FlatParamLayout,
     FlatParamShardMetadata,
@@ -66,11 +53,16 @@ from fsdp._layout import (
     ShardParamInfo,
     SharedParamInfo,
     aligned_numel,
+    check_flattenable,
     shard_metadata,
     shard_param_infos,
 )
+from fsdp._lifecycle import Lifecycle
 from fsdp._orig_params import OrigParamViews
-from fsdp._storage import FlatParameter, FlatParamStorage
+from fsdp._reduce import CommHookSpec, ReducePlan, reduce_gradient
+from fsdp._storage import FlatParameter, FlatParamStorage, free_storage
+from fsdp._streams import CommStreams
+from fsdp._unit_state import TORCH_STATE, UNIT_TRANSITIONS, UnitState
 
 __all__ = [
     "FlatParamHandle",
@@ -78,7 +70,6 @@ __all__ = [
     "FlatParameter",
     "HandleShardingStrategy",
     "HandleTrainingState",
-    "IterationPhase",
 ]
 
 
@@ -93,37 +84,14 @@ class HandleShardingStrategy(enum.Enum):
         return self is not HandleShardingStrategy.NO_SHARD
 
 
-class IterationPhase(enum.Enum):
-    """How far the current iteration got for this handle (see [Note: The
-    handle's lifecycle])."""
-
-    IDLE = enum.auto()
-    AWAITING_BACKWARD = enum.auto()
-    IN_BACKWARD = enum.auto()
-    BACKWARD_DONE = enum.auto()
-
-
-def _check_uniform(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"Must flatten tensors with uniform dtype but got {sorted(map(str, dtypes))}"
-        )
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"Must flatten tensors on the same device but got {devices}")
-    if not use_orig_params and len({p.requires_grad for p in params}) != 1:
-        raise ValueError(
-            "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
-        )
-
-
 class FlatParamHandle:
-    """One flat parameter: its layout, storage, views and gradient, and their
-    lifecycle (see the module notes)."""
+    """One FSDP unit: its flat parameter's layout, storage, views and gradient,
+    their lifecycle, and the unit's unshard, reshard and reduction (see the
+    module notes)."""
 
     flat_param: FlatParameter
     process_group: Any
+    replicate_group: Any | None  # hybrid sharding's replicas
     rank: int
     world_size: int
     device: torch.device
@@ -132,16 +100,17 @@ class FlatParamHandle:
     storage: FlatParamStorage
     views: OrigParamViews
     grads: FlatParamGrads
-    training_state: HandleTrainingState
-    phase: IterationPhase
+    lifecycle: Lifecycle[UnitState]
     prefetched: bool
+    has_optim_in_backward: bool
     _sharding_strategy: HandleShardingStrategy
     _keep_low_precision_grads: bool
     _mp_reduce_dtype: torch.dtype | None
-    has_optim_in_backward: bool
+    _skip_writeback_check: bool  # FSDP_SKIP_WRITEBACK_CHECK
+    _reduce_plan: ReducePlan
+    _streams: CommStreams | None  # the tree's, from lazy initialisation on
     _unshard_event: torch.cuda.Event | None
-    # (the AccumulateGrad node or None, its hook's handle, the hook: see _weakly)
-    _post_backward_hook: tuple[Any, RemovableHandle, Callable[[], None]] | None
+    post_backward_hook: PostBackwardHook
     _fsdp_extension: DTensorExtensions | None
     _param_extensions: tuple[ParamExtension | None, ...]  # per original parameter
 
@@ -160,6 +129,8 @@ class FlatParamHandle:
         *,
         fsdp_extension: DTensorExtensions | None = None,
         use_unsafe_setattr: bool = False,
+        replicate_group: Any | None = None,
+        skip_writeback_check: bool = False,
     ) -> None:
         params = list(params)
         if not params:
@@ -168,15 +139,17 @@ class FlatParamHandle:
             )
         if fsdp_extension is not None:  # see [Note: Tensor-parallel parameters]
             params = fsdp_extension.localize(params, fully_sharded_module)
-        _check_uniform(params, use_orig_params)
+        check_flattenable(params, use_orig_params)
         self._fsdp_extension = fsdp_extension
         self.process_group = process_group
+        self.replicate_group = replicate_group
         self.rank = process_group.rank()
         self.world_size = process_group.size()
         self.device = device
         self._sharding_strategy = sharding_strategy
         self._keep_low_precision_grads = keep_low_precision_grads
         self._mp_reduce_dtype = mp_reduce_dtype
+        self._skip_writeback_check = skip_writeback_check
         align = aligned_numel(mp_param_dtype or params[0].dtype) if use_orig_params else None
         self.layout, ordered = FlatParamLayout.of(
             params, fully_sharded_module, align, self.world_size
@@ -184,14 +157,7 @@ class FlatParamHandle:
         self.shard = ShardLayout.of(
             self.layout, self.rank, self.world_size, sharding_strategy.is_sharded()
         )
-        requires_grad = any(p.requires_grad for p in ordered)
-        self.flat_param = FlatParameter(self.layout.flatten(ordered), requires_grad=requires_grad)
-        self.storage = FlatParamStorage(
-            self.flat_param, self.shard, device, offload_params, mp_param_dtype
-        )
-        self._param_extensions = tuple(
-            None if fsdp_extension is None else fsdp_extension.extension_of(p) for p in ordered
-        )
+        self._build_parts(ordered, offload_params, mp_param_dtype, use_orig_params)
         self.views = OrigParamViews(
             self.layout,
             self.shard,
@@ -200,15 +166,40 @@ class FlatParamHandle:
             not use_unsafe_setattr,
             self._param_extensions,
         )
-        self.grads = FlatParamGrads(self.flat_param, self.shard, offload_params)
-        self.training_state = HandleTrainingState.IDLE
-        self.phase = IterationPhase.IDLE
+        self.lifecycle = Lifecycle(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
         self.has_optim_in_backward = False
         self.prefetched = False
+        self._streams = None
         self._unshard_event = None
-        self._post_backward_hook = None
+        self.post_backward_hook = PostBackwardHook(self.flat_param)
 
-    # -- what the handle is --------------------------------------------------------------
+    def _build_parts(
+        self,
+        ordered: list[nn.Parameter],
+        offload_params: bool,
+        mp_param_dtype: torch.dtype | None,
+        use_orig_params: bool,
+    ) -> None:
+        """The flat parameter, its storage and gradient, and the reduction plan."""
+        requires_grad = any(p.requires_grad for p in ordered)
+        self.flat_param = FlatParameter(self.layout.flatten(ordered), requires_grad=requires_grad)
+        self.storage = FlatParamStorage(
+            self.flat_param, self.shard, self.device, offload_params, mp_param_dtype
+        )
+        extension = self._fsdp_extension
+        self._param_extensions = tuple(
+            None if extension is None else extension.extension_of(p) for p in ordered
+        )
+        self.grads = FlatParamGrads(self.flat_param, self.shard, offload_params)
+        self._reduce_plan = ReducePlan.of(
+            self.uses_sharded_strategy,
+            self.shard.padded_numel,
+            self.shard.shard_numel,
+            self.process_group,
+            self.replicate_group,
+        )
+
+    # -- what the unit is (torch's names where torch has one) ----------------------------
 
     @property
     def uses_sharded_strategy(self) -> bool:
@@ -236,10 +227,6 @@ class FlatParamHandle:
         return self.views.use_orig_params
 
     @property
-    def _offload_params(self) -> bool:
-        return self.storage.offload_params
-
-    @property
     def _orig_param_dtype(self) -> torch.dtype:
         return self.storage.orig_dtype
 
@@ -254,17 +241,15 @@ class FlatParamHandle:
         return self._mp_reduce_dtype or self._fwd_bwd_param_dtype
 
     @property
-    def uses_param_mixed_precision(self) -> bool:
-        return self.storage.uses_param_mixed_precision
+    def training_state(self) -> HandleTrainingState:
+        """The lifecycle in torch's terms (``HandleTrainingState``)."""
+        return TORCH_STATE[self.lifecycle.state]
 
     def param_infos(self) -> tuple[ParamInfo, ...]:
         return self.layout.param_infos
 
     def shared_param_infos(self) -> tuple[SharedParamInfo, ...]:
         return self.layout.shared_param_infos
-
-    def orig_params(self) -> list[nn.Parameter]:
-        return self.views.params
 
     def shard_metadata(self) -> FlatParamShardMetadata:
         """Read from ``flat_param._shard_param_infos``, as torch's (tests set it)."""
@@ -311,10 +296,6 @@ class FlatParamHandle:
         self.storage.move_shard_to(device)
         self.views.show_resharded(self.flat_param)
 
-    def deregister_orig_params(self) -> None:
-        """Removes the original names from their modules (around ``module._apply``)."""
-        self.views.release()
-
     def rebind_local_shard(self) -> None:
         """After ``module.to(...)`` moved or cast the flat parameter: the original
         names are shown again (``module._apply`` took them away meanwhile)."""
@@ -325,26 +306,31 @@ class FlatParamHandle:
         self.views.refresh_placeholders(self.flat_param.dtype, self.flat_param.device)
         self.views.show_resharded(self.flat_param)
 
-    def lazy_init(self) -> None:
+    def lazy_init(self, streams: CommStreams) -> None:
         """At the root's first forward (the user may have moved or cast the module
-        since construction): binds the shard, allocates buffers, keeps changes
-        the user made to original parameters before it."""
+        since construction): binds the shard and the tree's streams, allocates
+        buffers, keeps changes the user made to original parameters before it,
+        finds optimizers in backward."""
+        self._streams = streams
         self.flat_param._local_shard = self.flat_param.data
         self.writeback_orig_params(skip_check=False)
         self.storage.init_buffers()
         self.grads.init_buffers(self.grad_dtype(), self.device)
         if self._use_orig_params:
             self.views.show_resharded(self.flat_param)
+        self._find_optimizers_in_backward()
 
-    def sync_requires_grad(self) -> None:
-        """``use_orig_params``: the flat parameter needs a gradient while any
-        original parameter does (the user may freeze or unfreeze them at any time)."""
+    def begin_root_forward(self, forward_prefetch: bool) -> None:
+        """At the root's pre-forward. ``use_orig_params``: the flat parameter needs
+        a gradient while any original parameter does (the user may freeze or
+        unfreeze them at any time). Forward prefetch starts afresh."""
         if self._use_orig_params:
             self.flat_param.requires_grad_(any(p.requires_grad for p in self.views.params))
+        self.prefetched = self.prefetched and not forward_prefetch
 
     # -- optimizers in backward ----------------------------------------------------------------
 
-    def find_optimizers_in_backward(self) -> None:
+    def _find_optimizers_in_backward(self) -> None:
         """``torch.distributed.optim._apply_optimizer_in_backward`` marks
         parameters with ``_in_backward_optimizers``; FSDP steps them right after
         their gradient is reduced (``use_orig_params=True`` only)."""
@@ -356,7 +342,7 @@ class FlatParamHandle:
             hasattr(p, "_in_backward_optimizers") for p in self.views.params
         )
 
-    def step_optimizers_in_backward(self) -> None:
+    def _step_optimizers_in_backward(self) -> None:
         """The reduced gradient is exposed, each marked original parameter's
         optimizers step and free its gradient; the flat gradient goes once no
         original parameter has one."""
@@ -372,57 +358,49 @@ class FlatParamHandle:
         if self.views.all_grads_cleared():
             self.grads.clear()
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def _expect(self, *states: HandleTrainingState) -> None:
-        if self.training_state not in states:
-            raise AssertionError(
-                f"FlatParamHandle of {self.fqns[:2]}...: expected training state in "
-                f"{[s.name for s in states]}, got {self.training_state.name}"
-            )
+    # -- lifecycle (see [Note: The unit's lifecycle]) -------------------------------------------
 
     def recomputing_in_backward(self) -> bool:
         """A forward of this unit runs inside its own backward (activation
         checkpointing recomputes it): the unit is already unsharded for it."""
-        return self.training_state is HandleTrainingState.BACKWARD_PRE
+        return self.lifecycle.state is UnitState.PRE_BACKWARD
 
     def begin_forward(self, full_precision: bool) -> None:
-        self._expect(HandleTrainingState.IDLE)
-        self.training_state = HandleTrainingState.FORWARD
+        state = self.lifecycle.state
+        if state is UnitState.AWAITING_BACKWARD:
+            self.lifecycle.move(UnitState.FORWARD_BEFORE_BACKWARD)
+        else:
+            self.lifecycle.move(UnitState.FORWARD)
         self.storage.force_full_precision = full_precision
 
     def end_forward(self, awaits_backward: bool) -> None:
-        self._expect(HandleTrainingState.FORWARD)
-        self.training_state = HandleTrainingState.IDLE
-        if awaits_backward:
-            assert self.phase in (IterationPhase.IDLE, IterationPhase.AWAITING_BACKWARD), self.phase
-            self.phase = IterationPhase.AWAITING_BACKWARD
+        if self.lifecycle.state is UnitState.FORWARD_BEFORE_BACKWARD or awaits_backward:
+            self.lifecycle.move(UnitState.AWAITING_BACKWARD)
+        else:
+            self.lifecycle.move(UnitState.IDLE)
 
     def awaits_backward(self) -> bool:
         """Forward ran with grad this iteration and its backward has not started."""
-        return self.phase is IterationPhase.AWAITING_BACKWARD
+        return self.lifecycle.state is UnitState.AWAITING_BACKWARD
 
     def begin_backward(self) -> bool:
         """The unit's pre-backward; returns False when it already ran (or the unit
         produced nothing that needs a gradient), so it runs once per iteration."""
-        if self.phase is not IterationPhase.AWAITING_BACKWARD:
+        if self.lifecycle.state is not UnitState.AWAITING_BACKWARD:
             return False
-        self.phase = IterationPhase.IN_BACKWARD
-        self.training_state = HandleTrainingState.BACKWARD_PRE
+        self.lifecycle.move(UnitState.PRE_BACKWARD)
         return True
 
     def end_backward(self) -> None:
         """The unit's post-backward (its gradient is accumulated). Without a
         pre-backward first, the unit's outputs needed no gradient while its
         parameters got one through another path."""
-        assert self.phase is not IterationPhase.BACKWARD_DONE, "post-backward ran twice"
-        self.phase = IterationPhase.BACKWARD_DONE
-        self.training_state = HandleTrainingState.BACKWARD_POST
+        self.lifecycle.move(UnitState.POST_BACKWARD)
 
     def backward_missed(self) -> bool:
         """Pre-backward ran but the hooked node never fired (its forward's graph
         was dropped): the end of backward must finish the unit."""
-        return self.phase is IterationPhase.IN_BACKWARD
+        return self.lifecycle.state is UnitState.PRE_BACKWARD
 
     def finish_iteration(self, synced: bool) -> None:
         """End of backward: the sharded gradient for the optimizer (see
@@ -432,69 +410,87 @@ class FlatParamHandle:
             if fresh:
                 self.views.fresh_grads()
             self._show_grads()
-        self.remove_post_backward_hook()
-        self.training_state = HandleTrainingState.IDLE
-        self.phase = IterationPhase.IDLE
+        self.post_backward_hook.remove()
+        self.lifecycle.move(UnitState.IDLE)
         self.prefetched = False
         self.views.end_iteration()
 
     def begin_summon(self) -> None:
-        self._expect(HandleTrainingState.IDLE)
-        self.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        """Torch's check and message: only an idle unit is summoned."""
+        state = self.lifecycle.state
+        if state is UnitState.AWAITING_BACKWARD:
+            self.lifecycle.move(UnitState.SUMMONED_BEFORE_BACKWARD)
+        elif state is UnitState.IDLE:
+            self.lifecycle.move(UnitState.SUMMONED)
+        else:
+            raise AssertionError(
+                f"Expects the handle training to be IDLE but got {self.training_state}"
+            )
         self.storage.force_full_precision = True
 
     def end_summon(self) -> None:
-        self._expect(HandleTrainingState.SUMMON_FULL_PARAMS)
-        self.training_state = HandleTrainingState.IDLE
+        if self.lifecycle.state is UnitState.SUMMONED_BEFORE_BACKWARD:
+            self.lifecycle.move(UnitState.AWAITING_BACKWARD)
+        else:
+            self.lifecycle.move(UnitState.IDLE)
         self.storage.force_full_precision = False
-
-    def set_force_full_precision(self, enabled: bool) -> None:
-        """Unshard in full precision (eval with full precision, prefetch of such a unit)."""
-        self.storage.force_full_precision = enabled
 
     # -- unshard -----------------------------------------------------------------------------
 
-    def is_unsharded(self) -> bool:
-        return self.storage.is_unsharded()
+    def unshard(self, prefetch: bool = False) -> None:
+        """Makes the unsharded parameter available (communication is asynchronous
+        on CUDA: call ``wait_for_unshard`` before computing with it). A prefetch
+        fills the buffer but leaves the flat parameter sharded; the unit's own
+        unshard then finds the data ready."""
+        self.writeback_orig_params(self._skip_writeback_check)
+        storage = self.storage
+        if storage.is_unsharded():
+            return
+        ready = storage.ready_unsharded()
+        if ready is not None:
+            if not prefetch:
+                storage.finish_unshard(ready)
+            return
+        streams = self._streams
+        assert streams is not None, "FSDP unit used before lazy initialisation"
+        on_stream = streams.on_unshard() if streams.is_cuda else contextlib.nullcontext()
+        with on_stream, profiler_label("FSDP::unshard"):
+            self._all_gather(streams, prefetch)
 
-    def ready_unsharded(self) -> Tensor | None:
-        return self.storage.ready_unsharded()
+    def _all_gather(self, streams: CommStreams, prefetch: bool) -> None:
+        storage = self.storage
+        unsharded = storage.unshard_input()
+        if self.uses_sharded_strategy:
+            buffer = storage.unsharded_buffer()
+            _comm.all_gather(buffer, unsharded, self.process_group)
+            unsharded = buffer
+        self._unshard_event = streams.record_unshard()
+        if not prefetch:
+            storage.finish_unshard(unsharded)
 
-    def unshard_input(self) -> Tensor:
-        return self.storage.unshard_input()
-
-    def unsharded_buffer(self) -> Tensor:
-        return self.storage.unsharded_buffer()
-
-    def finish_unshard(self, unsharded: Tensor) -> None:
-        self.storage.finish_unshard(unsharded)
-
-    def record_unshard(self, event: torch.cuda.Event | None) -> None:
-        """The event after an all-gather issued for this handle (CUDA)."""
-        self._unshard_event = event
-
-    def take_unshard_event(self) -> torch.cuda.Event | None:
+    def wait_for_unshard(self) -> None:
         event, self._unshard_event = self._unshard_event, None
-        return event
+        if event is not None:
+            assert self._streams is not None
+            self._streams.compute_waits(event)
 
-    def pending_unshard_event(self) -> torch.cuda.Event | None:
-        """The event of an unshard issued ahead of use, left for its own wait."""
+    def unshard_for_compute(self) -> None:
+        """Forward and backward: unshard, wait, and show ``Tensor`` views."""
+        self.unshard()
+        self.wait_for_unshard()
+        self._use_unsharded_views(as_params=False)
+
+    def unshard_ahead(self, full_precision: bool) -> torch.cuda.Event | None:
+        """Starts the all-gather ahead of its use (a prefetch, or ``_unshard``);
+        the unit's own unshard later finds the data ready. Returns the event the
+        all-gather's users wait for (CUDA). Nothing is gathered when the unit
+        holds its data already (``NO_SHARD``, kept since forward)."""
+        self.prefetched = True
+        if self.uses_sharded_strategy and not self.storage.is_unsharded():
+            self.storage.force_full_precision = full_precision
+            with profiler_label("FSDP::prefetch"):
+                self.unshard(prefetch=True)
         return self._unshard_event
-
-    def unsharded_to_cpu(self) -> Tensor:
-        return self.storage.unsharded_to_cpu()
-
-    def holds_unsharded_buffers(self) -> bool:
-        return bool(self.storage.unsharded_buffers())
-
-    def low_precision_unsharded(self) -> Tensor | None:
-        return self.storage.low_precision_unsharded()
-
-    def free_unsharded(self) -> None:
-        self.storage.free_unsharded()
-
-    def buffers_freed_by_reshard(self, free_unsharded: bool) -> list[Tensor]:
-        return self.storage.buffers_freed_by_reshard(free_unsharded)
 
     def _use_unsharded_views(self, as_params: bool) -> None:
         """Sets the original parameter names to views into the unsharded flat
@@ -503,31 +499,130 @@ class FlatParamHandle:
         that autograd reaches the flat parameter). Tests patch this seam."""
         self.views.show_unsharded(self.flat_param, as_params, self.training_state)
 
+    def _drop_low_precision_unsharded(self) -> None:
+        """Frees a low-precision unsharded copy that forward kept (see [Note:
+        Summoning keeps what forward kept] in fsdp._unshard_params)."""
+        buffer = self.storage.low_precision_unsharded()
+        if buffer is not None:
+            self._release([buffer])
+            free_storage(buffer)
+
+    def _release(self, tensors: list[Tensor]) -> None:
+        if self._streams is not None:
+            self._streams.release(tensors)
+
+    # -- summon_full_params ---------------------------------------------------------------------
+
+    def enter_summon(self, with_grads: bool, offload_to_cpu: bool, hidden: bool) -> bool:
+        """Gathers the full-precision parameters (and, ``with_grads``, the
+        gradient) and exposes them as ``nn.Parameter`` s; ``hidden`` (ranks other
+        than 0 under ``rank0_only``) reshards at once. Returns whether the exit
+        frees the unsharded data (not when forward kept it)."""
+        self.begin_summon()
+        self._drop_low_precision_unsharded()  # [Note: Summoning keeps what forward kept]
+        free_on_exit = self.storage.ready_unsharded() is None
+        # Outside forward nothing else orders the all-gather after the optimizer
+        # step or a writeback on the current stream (see fsdp._streams).
+        assert self._streams is not None
+        self._streams.unshard_waits_for_compute()
+        self.unshard()
+        self.wait_for_unshard()
+        if with_grads:
+            self._unshard_grad()
+        if hidden:
+            self.reshard(free_on_exit)
+            self._drop_unsharded_grad(writeback=False)
+            return free_on_exit
+        if offload_to_cpu:
+            device_data = self.storage.unsharded_to_cpu()
+            if free_on_exit:
+                self._release([device_data])
+                self.storage.free_unsharded()
+        self._use_unsharded_views(as_params=True)
+        return free_on_exit
+
+    def exit_summon(self, writeback: bool, free: bool, hidden: bool) -> None:
+        """Ends ``enter_summon``: writes the exposed data back into the shard
+        (``writeback``) and reshards (freeing only what ``enter_summon`` gathered)."""
+        if not hidden:
+            if writeback:
+                self.storage.writeback_unsharded()
+            if not self._use_orig_params:
+                self._use_unsharded_views(as_params=False)
+            self.reshard(free)
+            self._drop_unsharded_grad(writeback=writeback)
+        self.end_summon()
+
+    def _unshard_grad(self) -> None:
+        """Gathers the sharded gradient and exposes it on the original parameters
+        (summon_full_params(with_grads=True)): None everywhere when no rank has
+        one, zeros for a rank without one when others have one. ``NO_SHARD``
+        exposes its gradient itself."""
+        sharded = self.grads.sharded()
+        if not self.uses_sharded_strategy:
+            self._use_unsharded_grad(None if sharded is None else sharded.to(self.device))
+            return
+        # An int32 count, as torch's (the collective traces agree).
+        missing = torch.tensor([int(sharded is None)], dtype=torch.int32, device=self.device)
+        _comm.all_reduce(missing, self.process_group)
+        if int(missing.item()) == self.world_size:
+            self._use_unsharded_grad(None)
+            return
+        # Every rank gathers in the gradients' dtype (low precision with
+        # keep_low_precision_grads), also one that has none and sends zeros.
+        dtype = self.grad_dtype()
+        if sharded is None:
+            sharded = torch.zeros_like(self.flat_param._local_shard, dtype=dtype)
+        local = sharded.to(self.device, dtype).contiguous()
+        unsharded = torch.empty(self.padded_numel, dtype=local.dtype, device=local.device)
+        _comm.all_gather(unsharded, local, self.process_group)
+        self._use_unsharded_grad(unsharded[: self.unpadded_numel])
+
+    def _use_unsharded_grad(self, unsharded: Tensor | None) -> None:
+        """Exposes ``unsharded`` (an unsharded flat gradient, or None when no rank
+        has one) on the original parameters, which are unsharded views now."""
+        self.grads.summon(unsharded)
+        self.views.show_unsharded_grads(unsharded)
+
+    def _drop_unsharded_grad(self, writeback: bool) -> None:
+        """Back to the sharded gradient views after with_grads."""
+        if self.grads.summoned is None:
+            return
+        self.grads.unsummon(writeback)
+        self._show_grads()
+
+    # -- reshard -------------------------------------------------------------------------------
+
     def reshard(self, free_unsharded: bool, use_sharded_views: bool = True) -> None:
         """Points the flat parameter back at the local shard. ``free_unsharded``
-        frees the unsharded storage (the runtime made sure no pending kernel
-        reads it); otherwise it is kept for the next unshard. Without
-        ``use_sharded_views`` (use_orig_params, no-reshard strategies after
-        forward) the original parameters keep forward's views."""
-        forward_data = self.storage.reshard(free_unsharded)
+        frees the unsharded storage (recorded on the current stream first, so
+        no pending kernel loses it); otherwise it is kept for the next unshard.
+        Without ``use_sharded_views`` (use_orig_params, no-reshard strategies
+        after forward) the original parameters keep forward's views. Tests patch
+        this seam."""
+        storage = self.storage
+        if self._streams is not None and self._streams.is_cuda:
+            self._streams.release(storage.buffers_freed_by_reshard(free_unsharded))
+        forward_data = storage.reshard(free_unsharded)
         self.prefetched = False
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:
             self.views.show_resharded(self.flat_param)
 
-    def writeback_unsharded(self) -> None:
-        self.storage.writeback_unsharded()
+    def reshard_if_unsharded(self, free: bool) -> None:
+        """End of backward: reshards what is still unsharded, also a copy kept
+        for a backward that never ran."""
+        storage = self.storage
+        if storage.is_unsharded() or (free and storage.unsharded_buffers()):
+            self.reshard(free)
 
     def load_local_shard(self, tensor: Tensor) -> None:
         """A saved local shard (LOCAL_STATE_DICT) becomes this rank's shard; an
         unsharded copy kept since forward is stale afterwards and is freed."""
         self.storage.load_local_shard(tensor)
-        if not self.is_unsharded():
+        if not self.storage.is_unsharded():
             self.storage.free_unsharded()
-        self.views.show_resharded(self.flat_param)
-
-    def show_resharded_params(self) -> None:
         self.views.show_resharded(self.flat_param)
 
     # -- writeback of user changes (use_orig_params) ----------------------------------------------
@@ -538,39 +633,25 @@ class FlatParamHandle:
         An unsharded copy kept since forward is stale afterwards and is freed."""
         if not self._use_orig_params:
             return
-        if self.flat_param.grad is not None and not self.is_unsharded():
+        storage = self.storage
+        if self.flat_param.grad is not None and not storage.is_unsharded():
             if self.views.all_grads_cleared():
                 self.grads.clear()  # zero_grad(set_to_none=True) on the originals
                 self.views.forget_grads()
         if skip_check:
             return
         written = self.views.writeback(self.flat_param, self.grads)
-        if self.is_unsharded() or not (written.params or written.grads):
+        if storage.is_unsharded() or not (written.params or written.grads):
             return
         if written.params:
             # The kept unsharded copy is stale. Only parameters: a gradient
             # edit, which may happen on some ranks only, must not decide
             # whether the next unshard all-gathers (the ranks would diverge).
-            self.storage.free_unsharded()
+            storage.free_unsharded()
             self.views.show_resharded(self.flat_param)
         self._show_grads()
 
     # -- gradients ---------------------------------------------------------------------------------
-
-    def prepare_gradient_for_backward(self) -> None:
-        self.grads.prepare_for_backward()
-
-    def take_unsharded_grad(self) -> Tensor | None:
-        return self.grads.take_unsharded()
-
-    def grad_set_aside(self) -> Tensor | None:
-        return self.grads.set_aside
-
-    def set_reduced_grad(self, reduced: Tensor) -> None:
-        self.grads.set_reduced(reduced, self.grad_dtype())
-
-    def sharded_flat_grad(self) -> Tensor | None:
-        return self.grads.sharded()
 
     def keep_unsharded_grad(self) -> None:
         """Post-backward under no_sync: the original parameters see the unsharded
@@ -585,70 +666,24 @@ class FlatParamHandle:
         else:
             self.views.show_sharded_grads(self.flat_param.grad)
 
-    def use_unsharded_grad(self, unsharded: Tensor | None) -> None:
-        """Exposes ``unsharded`` (an unsharded flat gradient, or None when no rank
-        has one) on the original parameters, which are unsharded views now."""
-        self.grads.summon(unsharded)
-        self.views.show_unsharded_grads(unsharded)
+    def reduce_grad(self, hook: CommHookSpec | None) -> None:
+        """Takes the gradient autograd accumulated, reduces it on the reduce
+        stream (fsdp._reduce) and keeps the shard for the end of backward; then
+        steps optimizers in backward, if any."""
+        grads = self.grads
+        grad = grads.take_unsharded()
+        assert grad is not None and self._streams is not None
+        streams = self._streams
+        on_stream = (
+            streams.on_reduce(grad, grads.set_aside)
+            if streams.is_cuda
+            else contextlib.nullcontext()
+        )
+        with on_stream:
+            self._reduce(grad, hook)
 
-    def drop_unsharded_grad(self, writeback: bool) -> None:
-        """Back to the sharded gradient views after with_grads."""
-        if self.grads.summoned is None:
-            return
-        self.grads.unsummon(writeback)
-        self._show_grads()
-
-    @property
-    def summoned_grad(self) -> SummonedGrad | None:
-        return self.grads.summoned
-
-    # -- the post-backward hook ------------------------------------------------------------------
-
-    def register_post_backward_hook(self, hook: Callable[[], None]) -> bool:
-        """Hooks the ``AccumulateGrad`` node that views made from the flat
-        parameter now feed, once per iteration; returns whether this call
-        registered it. See [Note: The post-backward hook's node]."""
-        if self._post_backward_hook is not None or not self.flat_param.requires_grad:
-            return False
-        grad_fn = self.flat_param.expand_as(self.flat_param).grad_fn
-        assert grad_fn is not None, "the post-backward hook needs autograd enabled"
-        node = grad_fn.next_functions[0][0]
-        self._post_backward_hook = (node, node.register_hook(_weakly(hook)), hook)
-        return True
-
-    def register_reshard_only_hook(self, inputs: list[Tensor], hook: Callable[[], None]) -> bool:
-        """For a flat parameter that needs no gradient: ``hook`` runs once the
-        gradients of ``inputs`` are computed, once per iteration; returns
-        whether this call registered it."""
-        if self._post_backward_hook is not None:
-            return False
-        handle = torch.autograd.graph.register_multi_grad_hook(inputs, _weakly(hook))
-        self._post_backward_hook = (None, handle, hook)
-        return True
-
-    def remove_post_backward_hook(self) -> None:
-        if self._post_backward_hook is not None:
-            self._post_backward_hook[1].remove()
-            self._post_backward_hook = None
-
-
-def _weakly(hook: Callable[[], None]) -> Callable[..., None]:
-    """``hook`` called through a weak reference.
-
-    [Note: Post-backward hooks hold their unit weakly]
-    An autograd node keeps its hooks in C++, where the garbage collector cannot
-    see them, and the AccumulateGrad node keeps the flat parameter. A hook that
-    held the unit's state strongly would make state -> handle -> node -> hook ->
-    state a cycle the collector cannot break: after a forward that raised (no
-    backward removes the hook) the unit, its process groups and its memory would
-    live as long as the process. The handle holds the hook (a cycle the
-    collector sees); the node only a weak reference to it.
-    """
-    ref = weakref.ref(hook)
-
-    def call(*_: object) -> None:
-        alive = ref()
-        if alive is not None:
-            alive()
-
-    return call
+    def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
+        reduced = reduce_gradient(grad, self.reduce_dtype(), self._reduce_plan, hook)
+        self.grads.set_reduced(reduced, self.grad_dtype())
+        if self.has_optim_in_backward:
+            self._step_optimizers_in_backward()

@@ -476,9 +476,7 @@ def build_unit(
         if params
         else None
     )
-    state = FSDPState(owner, config, groups, device, handle, buffers, ignored)
-    state.device_mesh = device_mesh
-    return state
+    return FSDPState(owner, config, groups, device, handle, buffers, ignored, device_mesh)
 
 
 def _build_handle(
@@ -504,6 +502,8 @@ def _build_handle(
         config.use_orig_params,
         fsdp_extension=extension,
         use_unsafe_setattr=config.env.use_unsafe_setattr,
+        replicate_group=groups.replicate,
+        skip_writeback_check=config.env.skip_writeback_check,
     )
     handle.shard_in_place()
     if config.cpu_offload.offload_params and handle.flat_param.device.type != "cpu":

@@ -136,7 +136,7 @@ class FlatParamLayout:
     def views(self, flat: Tensor) -> list[Tensor]:
         """Each parameter's view of an unsharded flat tensor (see [Note: Views
         from one split])."""
-        segments = torch.split(flat, self.numels_with_padding)
+        segments = flat.split_with_sizes(self.numels_with_padding)  # torch.split, less Python
         pieces = [s for s, pad in zip(segments, self.is_padding_mask) if not pad]
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
@@ -269,3 +269,19 @@ def _param_infos(
             seen[param] = ParamInfo(name, submodule, module_name)
             infos.append(seen[param])
     return infos, shared
+
+
+def check_flattenable(params: Sequence[nn.Parameter], use_orig_params: bool) -> None:
+    """Torch's checks (and messages) of the parameters one flat parameter holds."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"Must flatten tensors with uniform dtype but got {sorted(map(str, dtypes))}"
+        )
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"Must flatten tensors on the same device but got {devices}")
+    if not use_orig_params and len({p.requires_grad for p in params}) != 1:
+        raise ValueError(
+            "Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`"
+        )

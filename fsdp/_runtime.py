@@ -42,24 +42,15 @@ Prefetching and the check of the forward order across ranks follow the orders
 recorded in fsdp._exec_order (see [Note: Execution order and prefetch] there);
 ``_get_handle_to_prefetch`` picks the unit to prefetch (tests patch that seam).
 
-[Note: Communication hooks]
-``register_comm_hook(state, hook)`` on the root gives every unit of its tree a
-hook that replaces the gradient reduction (torch's semantics): sharded
-strategies call ``hook(state, padded_unsharded_grad, output)``, where ``output``
-is an empty shard the hook must fill; ``NO_SHARD`` calls ``hook(state, grad)``,
-which reduces ``grad`` in place. The hook divides as it sees fit (the default
-path divides by ``pre`` before and ``post`` after the collective). The gradient
-reaches the hook in the reduce dtype, except for torch's two low-precision
-hooks (``fp16_compress_hook``, ``bf16_compress_hook``), which cast it
-themselves and, as in torch, get it in the dtype backward produced. Whatever
-dtype the hook leaves, the result is cast to the gradient dtype the optimizer
-expects. Hybrid strategies refuse hooks (their reduction has two steps).
+Gradient reduction, communication hooks included, is fsdp._reduce (see [Note:
+Communication hooks] there); the unit object (fsdp._flat_param) unshards,
+reshards and reduces itself, and this module decides when.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,7 +58,7 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp import _comm, _registry
+from fsdp import _registry
 from fsdp._common import (
     FLAT_PARAM,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
@@ -81,7 +72,8 @@ from fsdp._common import (
 from fsdp._exec_order import ExecutionOrder
 from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
-from fsdp._storage import free_storage
+from fsdp._lifecycle import Lifecycle
+from fsdp._reduce import CommHook, CommHookSpec
 from fsdp._streams import CommStreams
 from fsdp._utils import _apply_to_tensors
 from fsdp.api import (
@@ -99,6 +91,17 @@ from fsdp.api import (
 # The attributes every unit of one tree must agree on (torch's names; the
 # process group is not one of them, for hybrid sharding and MoE).
 HOMOGENEOUS_ATTR_NAMES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
+
+# FSDPState's lifecycle (see [Note: One lifecycle per object] in fsdp._lifecycle):
+# forward and backward hooks move IDLE <-> FORWARD_BACKWARD (a pre-backward or a
+# reshard-only hook may find the unit in FORWARD_BACKWARD already); a summon
+# moves IDLE -> SUMMON_FULL_PARAMS -> IDLE; the end of backward resets to IDLE.
+_T = TrainingState
+_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    _T.IDLE: frozenset({_T.IDLE, _T.FORWARD_BACKWARD, _T.SUMMON_FULL_PARAMS}),
+    _T.FORWARD_BACKWARD: frozenset({_T.FORWARD_BACKWARD, _T.IDLE}),
+    _T.SUMMON_FULL_PARAMS: frozenset({_T.IDLE}),
+}
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,21 +132,6 @@ class UnitConfig:
         return self.sharding_strategy in NO_RESHARD_AFTER_FORWARD_STRATEGIES
 
 
-CommHook = Callable[..., None]
-
-# torch's low-precision hooks (see [Note: Communication hooks]), known by name:
-# this package does not import torch's hook module.
-_LOW_PRECISION_HOOKS = frozenset(
-    ("torch.distributed.algorithms._comm_hooks.default_hooks", name)
-    for name in ("fp16_compress_hook", "bf16_compress_hook")
-)
-
-
-def _is_low_precision_hook(hook: CommHook | None) -> bool:
-    key = (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
-    return key in _LOW_PRECISION_HOOKS
-
-
 @dataclass
 class RootContext:
     """What the units of one root's tree share."""
@@ -152,6 +140,7 @@ class RootContext:
     states: list[FSDPState]
     streams: CommStreams
     exec_order: ExecutionOrder
+    by_handle: dict[FlatParamHandle, FSDPState] = field(default_factory=dict)
     backward_started: bool = False
 
     @classmethod
@@ -160,26 +149,11 @@ class RootContext:
         handles = [s.handle for s in states if s.handle is not None]
         fqns = _fqns_from_root(root.module)
         order = ExecutionOrder(handles, fqns, root.process_group, root.config.env.check_exec_order)
-        return cls(root, states, streams, order)
+        by_handle = {s.handle: s for s in states if s.handle is not None}
+        return cls(root, states, streams, order, by_handle)
 
     def state_of(self, handle: FlatParamHandle) -> FSDPState:
-        return next(s for s in self.states if s.handle is handle)
-
-
-class UnshardHandle:
-    """What ``_unshard(async_op=True)`` returns: ``wait()`` makes the current
-    stream wait for the all-gather (nothing to wait for on the CPU)."""
-
-    _streams: CommStreams
-    _event: torch.cuda.Event | None
-
-    def __init__(self, streams: CommStreams, event: torch.cuda.Event | None) -> None:
-        self._streams = streams
-        self._event = event
-
-    def wait(self) -> None:
-        self._streams.compute_waits(self._event)
-        self._event = None
+        return self.by_handle[handle]
 
 
 def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
@@ -220,7 +194,9 @@ def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 class FSDPState:
-    """The runtime state of one FSDP unit (a wrapper or a ``fully_shard`` module)."""
+    """The hooks and the tree of one FSDP unit (a wrapper or a ``fully_shard``
+    module): when to unshard, reshard and reduce; the unit object (``handle``)
+    does it."""
 
     module: nn.Module
     config: UnitConfig
@@ -233,15 +209,14 @@ class FSDPState:
     handle: FlatParamHandle | None
     buffers: list[tuple[nn.Module, str]]
     orig_buffer_dtypes: dict[tuple[int, str], torch.dtype]
-    training_state: TrainingState
+    lifecycle: Lifecycle[TrainingState]
     is_root: bool | None
     root_context: RootContext | None
     sync_gradients: bool
     state_dict_settings: StateDictSettings
     flat_param_owner: nn.Module | None  # the wrapper's ``module`` (None: fully_shard)
     device_mesh: Any | None  # the constructor's, if given (SHARDED_STATE_DICT saves DTensors)
-    comm_hook: CommHook | None  # see [Note: Communication hooks]
-    comm_hook_state: object
+    comm_hook: CommHookSpec | None  # see [Note: Communication hooks] in fsdp._reduce
 
     def __init__(
         self,
@@ -252,6 +227,7 @@ class FSDPState:
         handle: FlatParamHandle | None,
         buffers: list[tuple[nn.Module, str]],
         ignored: Ignored,
+        device_mesh: Any | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -266,7 +242,7 @@ class FSDPState:
         # The dtypes at construction (torch's), kept across lazy initialisations
         # (``apply`` before the first forward initialises and resets the tree).
         self.orig_buffer_dtypes = _buffer_dtypes(buffers)
-        self.training_state = TrainingState.IDLE
+        self.lifecycle = Lifecycle(TrainingState.IDLE, _TRANSITIONS, "FSDPState")
         self.is_root = None
         self.root_context = None
         self.sync_gradients = True
@@ -274,10 +250,13 @@ class FSDPState:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         self.flat_param_owner = None
-        self.device_mesh = None
+        self.device_mesh = device_mesh
         self.comm_hook = None
-        self.comm_hook_state = None
         _registry.register(module, self)
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self.lifecycle.state
 
     @property
     def state_dict_type(self) -> StateDictType:
@@ -294,6 +273,23 @@ class FSDPState:
     @property
     def forward_prefetch(self) -> bool:
         return self.config.forward_prefetch
+
+    # -- settings (the wrapper's and the state dicts' API) ------------------------------------
+
+    def set_state_dict_settings(self, settings: StateDictSettings) -> None:
+        self.state_dict_settings = settings
+
+    def set_sync_gradients(self, sync: bool) -> None:
+        """``no_sync()``: False keeps gradients unreduced (see [Note: One iteration])."""
+        self.sync_gradients = sync
+
+    def set_comm_hook(self, hook: CommHook | None, hook_state: object) -> None:
+        self.comm_hook = None if hook is None else CommHookSpec(hook, hook_state)
+
+    def own_flat_param(self, owner: nn.Module) -> None:
+        """The wrapper's ``module`` holds the flat parameter (see ``show_flat_param``)."""
+        self.flat_param_owner = owner
+        self.show_flat_param()
 
     # -- tree --------------------------------------------------------------------------
 
@@ -321,7 +317,7 @@ class FSDPState:
         for state in states:
             state.is_root = state is self
             state.root_context = context
-            state._init_unit()
+            state._init_unit(context.streams)
 
     def reset_lazy_init(self) -> None:
         """Forgets the tree found by ``lazy_init`` (for a unit that initialised
@@ -330,12 +326,11 @@ class FSDPState:
             state.is_root = None
             state.root_context = None
 
-    def _init_unit(self) -> None:
+    def _init_unit(self, streams: CommStreams) -> None:
         handle = self.handle
         if handle is not None:
             self._check_flat_param_device(handle)
-            handle.lazy_init()
-            handle.find_optimizers_in_backward()
+            handle.lazy_init(streams)
         self._cast_buffers(full_precision=False)
 
     def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
@@ -374,8 +369,15 @@ class FSDPState:
 
     # -- forward -------------------------------------------------------------------------
 
-    @_eager
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Lazy initialisation, then the root's work (see [Note: One iteration]);
+        nothing for the other units."""
+        if self.is_root is False:
+            return args, kwargs
+        return self._root_pre_forward(args, kwargs)
+
+    @_eager
+    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
         if not self.is_root:
             return args, kwargs
@@ -386,9 +388,7 @@ class FSDPState:
             for state in context.states:
                 state._cast_buffers(state.full_precision_now())
                 if state.handle is not None:
-                    state.handle.sync_requires_grad()
-                if self.config.forward_prefetch and state.handle is not None:
-                    state.handle.prefetched = False
+                    state.handle.begin_root_forward(self.config.forward_prefetch)
             args, kwargs = _to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
@@ -398,22 +398,22 @@ class FSDPState:
 
     @_eager
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        full_precision = self.full_precision_now()
         mp = self.config.mixed_precision
-        if mp.cast_forward_inputs and mp.param_dtype is not None and not self.full_precision_now():
+        if mp.cast_forward_inputs and mp.param_dtype is not None and not full_precision:
             args, kwargs = _cast_floats(mp.param_dtype, args, kwargs)
         handle = self.handle
         if handle is None or handle.recomputing_in_backward():
             return args, kwargs
         with profiler_label("FSDP::pre_forward"):
-            self.training_state = TrainingState.FORWARD_BACKWARD
-            handle.begin_forward(self.full_precision_now())
+            self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
+            handle.begin_forward(full_precision)
             self.root.exec_order.record_pre_forward(handle, self.module.training)
-            self.unshard(handle)
-            self.wait_for_unshard(handle)
-            handle._use_unsharded_views(as_params=False)
+            handle.unshard_for_compute()
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
-                self._register_post_backward_reshard_only_hook(handle, args, kwargs)
+                if not handle.flat_param.requires_grad:
+                    self._register_post_backward_reshard_only_hook(handle, args, kwargs)
             self._prefetch_after(handle)
         return args, kwargs
 
@@ -426,34 +426,43 @@ class FSDPState:
         if handle is not None and handle.recomputing_in_backward():
             return output
         with profiler_label("FSDP::post_forward"):
+            grad_enabled = torch.is_grad_enabled()
             if handle is not None:
                 self.root.exec_order.record_post_forward(handle)
                 keeps = self.config.keeps_unsharded_after_forward
                 # NO_SHARD has nothing to free; the root's backward starts right away.
                 free = not (keeps or self.is_root or not handle.uses_sharded_strategy)
-                keep_views = keeps and torch.is_grad_enabled()
-                self.reshard(handle, free=free, use_sharded_views=not keep_views)
-                handle.end_forward(awaits_backward=_needs_grad(output))
-            output = self._register_pre_backward_hooks(output, handle)
-            self.training_state = TrainingState.IDLE
+                handle.reshard(free, use_sharded_views=not (keeps and grad_enabled))
+            if grad_enabled:
+                output = self._register_pre_backward_hooks(output, handle)
+            elif handle is not None:
+                handle.end_forward(awaits_backward=False)
+            self.lifecycle.move(TrainingState.IDLE)
         return output
 
     def _register_pre_backward_hooks(self, output: Any, handle: FlatParamHandle | None) -> Any:
-        """Registers the pre-backward hook on every output tensor that needs a gradient."""
-        if not torch.is_grad_enabled():
-            return output
+        """Registers the pre-backward hook on every output tensor that needs a
+        gradient; the unit awaits its backward if there is one."""
+        hook = self._make_pre_backward_hook(handle)
+        hooked = False
 
         def register(tensor: Tensor) -> Tensor:
+            nonlocal hooked
             if tensor.requires_grad:
-                tensor.register_hook(self._make_pre_backward_hook(handle))
+                tensor.register_hook(hook)
+                hooked = True
             return tensor
 
-        return _apply_to_tensors(register, output)
+        output = _apply_to_tensors(register, output)
+        if handle is not None:
+            handle.end_forward(awaits_backward=hooked)
+        return output
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
-        (see [Note: The post-backward hook's node] in fsdp._flat_param)."""
-        handle.register_post_backward_hook(self._make_post_backward_hook(handle))
+        (see [Note: The post-backward hook's node] in fsdp._backward_hook)."""
+        if not handle.post_backward_hook.is_registered():
+            handle.post_backward_hook.register(self._make_post_backward_hook(handle))
 
     def _register_post_backward_reshard_only_hook(
         self, handle: FlatParamHandle, args: Any, kwargs: Any
@@ -462,11 +471,13 @@ class FSDPState:
         hook: it reshards once the gradients of its inputs are computed (all
         gradients that need its parameters are then done). Inputs that need no
         gradient leave it to the end of backward."""
-        if handle.flat_param.requires_grad:
+        if handle.post_backward_hook.is_registered():
             return
         inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if inputs:
-            handle.register_reshard_only_hook(inputs, self._make_reshard_only_hook(handle))
+            handle.post_backward_hook.register_reshard_only(
+                inputs, self._make_reshard_only_hook(handle)
+            )
 
     # -- backward ------------------------------------------------------------------------
 
@@ -486,11 +497,9 @@ class FSDPState:
         if handle is None or not handle.begin_backward():
             return
         with profiler_label("FSDP::pre_backward"):
-            self.training_state = TrainingState.FORWARD_BACKWARD
-            self.unshard(handle)
-            self.wait_for_unshard(handle)
-            handle._use_unsharded_views(as_params=False)
-            handle.prepare_gradient_for_backward()
+            self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
+            handle.unshard_for_compute()
+            handle.grads.prepare_for_backward()
             self._prefetch_after(handle)
 
     def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
@@ -509,11 +518,11 @@ class FSDPState:
             if in_backward:
                 self._post_backward_reshard(handle)
             else:
-                self.reshard(handle, free=self._frees_in_backward())
+                handle.reshard(self._frees_in_backward())
             if not self.sync_gradients:
                 handle.keep_unsharded_grad()
                 return
-            self._reduce_grad(handle)
+            handle.reduce_grad(self.comm_hook)
 
     def _frees_in_backward(self) -> bool:
         """Backward frees the unsharded parameter, except under ``no_sync`` for
@@ -530,7 +539,7 @@ class FSDPState:
     @_eager
     def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
         with profiler_label("FSDP::post_backward_reshard_only"):
-            self.training_state = TrainingState.FORWARD_BACKWARD
+            self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
             handle.end_backward()
             self._post_backward_reshard(handle)
 
@@ -538,77 +547,8 @@ class FSDPState:
         """Reshards after the unit's backward and prefetches. Runs once per unit
         and backward, from its post-backward hook or its reshard-only hook, never
         from the end of backward: tests count it."""
-        self.reshard(handle, free=self._frees_in_backward())
+        handle.reshard(self._frees_in_backward())
         self._prefetch_after(handle)
-
-    def _reduce_grad(self, handle: FlatParamHandle) -> None:
-        grad = handle.take_unsharded_grad()
-        assert grad is not None
-        with self.root.streams.on_reduce(grad, handle.grad_set_aside()):
-            reduce_dtype = handle.reduce_dtype()
-            if grad.dtype != reduce_dtype and not _is_low_precision_hook(self.comm_hook):
-                grad = grad.to(reduce_dtype)
-            if self.comm_hook is None:
-                reduced = self._default_reduce(handle, grad)
-            else:
-                reduced = self._hook_reduce(handle, grad)
-            handle.set_reduced_grad(reduced)
-            if handle.has_optim_in_backward:
-                handle.step_optimizers_in_backward()
-
-    def _default_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
-        """Averages over the data-parallel ranks, dividing in two steps (see
-        ``_comm.gradient_divide_factors``)."""
-        pre, post = _comm.gradient_divide_factors(self._data_parallel_size())
-        if pre > 1:
-            grad.div_(pre)
-        reduced = self._reduce(handle, grad)
-        if post > 1:
-            reduced.div_(post)
-        return reduced
-
-    def _hook_reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
-        """Hands the reduction to the registered hook (see [Note: Communication hooks])."""
-        assert self.comm_hook is not None
-        if not handle.uses_sharded_strategy:
-            self.comm_hook(self.comm_hook_state, grad)
-            return grad
-        padded, output = self._reduce_scatter_tensors(handle, grad)
-        self.comm_hook(self.comm_hook_state, padded, output)
-        return output
-
-    def _reduce(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
-        """Sums the gradient over the shard group (reduce-scatter, or all-reduce
-        for ``NO_SHARD``), then over the replicate group of hybrid sharding. A
-        hybrid unit whose shard group is one rank holds the whole gradient and
-        only the replicas sum it."""
-        if handle.uses_sharded_strategy:
-            reduced = self._reduce_scatter(handle, grad)
-        else:
-            reduced = grad
-            if self.world_size > 1 or self.replicate_group is None:
-                _comm.all_reduce(reduced, self.process_group)
-        if self.replicate_group is not None:
-            _comm.all_reduce(reduced, self.replicate_group)
-        return reduced
-
-    def _reduce_scatter(self, handle: FlatParamHandle, grad: Tensor) -> Tensor:
-        padded, reduced = self._reduce_scatter_tensors(handle, grad)
-        _comm.reduce_scatter(reduced, padded, self.process_group)
-        return reduced
-
-    @staticmethod
-    def _reduce_scatter_tensors(handle: FlatParamHandle, grad: Tensor) -> tuple[Tensor, Tensor]:
-        """The padded unsharded gradient and an empty shard for the result."""
-        padded = grad
-        if grad.numel() != handle.padded_numel:
-            padded = torch.zeros(handle.padded_numel, dtype=grad.dtype, device=grad.device)
-            padded[: grad.numel()].copy_(grad)
-        return padded, torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-
-    def _data_parallel_size(self) -> int:
-        replicas = self.replicate_group.size() if self.replicate_group is not None else 1
-        return self.world_size * replicas
 
     @_eager
     def finalize_backward(self) -> None:
@@ -635,82 +575,22 @@ class FSDPState:
             self._post_backward(handle, in_backward=False)
 
     def _finalize_unit(self) -> None:
+        self.lifecycle.move(TrainingState.IDLE)
         handle = self.handle
-        self.training_state = TrainingState.IDLE
         if handle is None:
             return
-        free = self._frees_in_backward()
-        if handle.is_unsharded() or (free and handle.holds_unsharded_buffers()):
-            self.reshard(handle, free)  # also a copy kept for a backward that never ran
+        handle.reshard_if_unsharded(self._frees_in_backward())
         handle.finish_iteration(synced=self.sync_gradients)
 
-    # -- unshard / reshard ------------------------------------------------------------------
+    # -- summon_full_params ----------------------------------------------------------------
 
-    def unshard(self, handle: FlatParamHandle, prefetch: bool = False) -> None:
-        """Makes the unsharded parameter available (communication is asynchronous
-        on CUDA: call ``wait_for_unshard`` before computing with it). A prefetch
-        fills the buffer but leaves the flat parameter sharded; the unit's own
-        unshard then finds the data ready."""
-        handle.writeback_orig_params(self.config.env.skip_writeback_check)
-        if handle.is_unsharded():
-            return
-        ready = handle.ready_unsharded()
-        if ready is not None:
-            if not prefetch:
-                handle.finish_unshard(ready)
-            return
-        streams = self.root.streams
-        with streams.on_unshard(), profiler_label("FSDP::unshard"):
-            unsharded = handle.unshard_input()
-            if handle.uses_sharded_strategy:
-                buffer = handle.unsharded_buffer()
-                _comm.all_gather(buffer, unsharded, self.process_group)
-                unsharded = buffer
-            handle.record_unshard(streams.record_unshard())
-            if not prefetch:
-                handle.finish_unshard(unsharded)
+    def begin_summon(self) -> None:
+        self.lifecycle.move(TrainingState.SUMMON_FULL_PARAMS)
 
-    def wait_for_unshard(self, handle: FlatParamHandle) -> None:
-        self.root.streams.compute_waits(handle.take_unshard_event())
+    def end_summon(self) -> None:
+        self.lifecycle.move(TrainingState.IDLE)
 
-    def unshard_grad(self, handle: FlatParamHandle) -> None:
-        """Gathers the sharded gradient and exposes it on the original parameters
-        (summon_full_params(with_grads=True)): None everywhere when no rank has
-        one, zeros for a rank without one when others have one. ``NO_SHARD``
-        exposes its gradient itself."""
-        sharded = handle.sharded_flat_grad()
-        if not handle.uses_sharded_strategy:
-            handle.use_unsharded_grad(None if sharded is None else sharded.to(handle.device))
-            return
-        # An int32 count, as torch's (the collective traces agree).
-        missing = torch.tensor(
-            [int(sharded is None)], dtype=torch.int32, device=self.compute_device
-        )
-        _comm.all_reduce(missing, self.process_group)
-        if int(missing.item()) == self.world_size:
-            handle.use_unsharded_grad(None)
-            return
-        # Every rank gathers in the gradients' dtype (low precision with
-        # keep_low_precision_grads), also one that has none and sends zeros.
-        dtype = handle.grad_dtype()
-        if sharded is None:
-            sharded = torch.zeros_like(handle.flat_param._local_shard, dtype=dtype)
-        local = sharded.to(handle.device, dtype).contiguous()
-        unsharded = torch.empty(handle.padded_numel, dtype=local.dtype, device=local.device)
-        _comm.all_gather(unsharded, local, self.process_group)
-        handle.use_unsharded_grad(unsharded[: handle.unpadded_numel])
-
-    def drop_low_precision_unsharded(self, handle: FlatParamHandle) -> None:
-        """Frees a low-precision unsharded copy that forward kept (see [Note:
-        Summoning keeps what forward kept] in fsdp._unshard_params)."""
-        buffer = handle.low_precision_unsharded()
-        if buffer is not None:
-            self.root.streams.release([buffer])
-            free_storage(buffer)
-
-    def reshard(self, handle: FlatParamHandle, free: bool, use_sharded_views: bool = True) -> None:
-        self.root.streams.release(handle.buffers_freed_by_reshard(free))
-        handle.reshard(free, use_sharded_views)
+    # -- prefetch ----------------------------------------------------------------------------
 
     def _get_handle_to_prefetch(self, current_handle: FlatParamHandle) -> FlatParamHandle | None:
         """The handle to unshard ahead of its use now that ``current_handle``'s
@@ -718,9 +598,11 @@ class FSDPState:
         unit's prefetch settings; None for none (see [Note: Execution order and
         prefetch] in fsdp._exec_order). The seam tests patch (torch's
         ``_runtime_utils._get_handle_to_prefetch(state, current_handle)``)."""
+        prefetch = self.config.backward_prefetch
+        if prefetch is None and not self.config.forward_prefetch:
+            return None
         order = self.root.exec_order
         training_state = current_handle.training_state
-        prefetch = self.config.backward_prefetch
         if (
             training_state is HandleTrainingState.BACKWARD_PRE
             and prefetch is BackwardPrefetch.BACKWARD_PRE
@@ -744,18 +626,10 @@ class FSDPState:
 
     def unshard_ahead(self) -> torch.cuda.Event | None:
         """Starts this unit's all-gather ahead of its use (a prefetch, or
-        ``_unshard``); its own unshard later finds the data ready. Returns the
-        event the all-gather's users wait for (CUDA). Nothing is gathered for a
-        unit that holds its data already (``NO_SHARD``, kept since forward)."""
-        handle = self.handle
-        if handle is None:
+        ``_unshard``); see ``FlatParamHandle.unshard_ahead``."""
+        if self.handle is None:
             return None
-        handle.prefetched = True
-        if handle.uses_sharded_strategy and not handle.is_unsharded():
-            handle.set_force_full_precision(self.full_precision_now())
-            with profiler_label("FSDP::prefetch"):
-                self.unshard(handle, prefetch=True)
-        return handle.pending_unshard_event()
+        return self.handle.unshard_ahead(self.full_precision_now())
 
     # -- the flat parameter as a registered parameter of the wrapped module --------------
 
@@ -798,13 +672,6 @@ def _check_homogeneous(states: list[FSDPState]) -> None:
         values = {state.config.homogeneous_values()[i] for state in states}
         if len(values) != 1:
             raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
-
-
-def _needs_grad(output: Any) -> bool:
-    """Whether any tensor of a forward's output needs a gradient (its backward will run)."""
-    if not torch.is_grad_enabled():
-        return False
-    return any(t.requires_grad for t in _tensors_in(output))
 
 
 def _tensors_in(tree: Any) -> list[Tensor]:

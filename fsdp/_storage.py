@@ -105,6 +105,8 @@ class FlatParamStorage:
     param_dtype: torch.dtype | None  # MixedPrecision.param_dtype
     force_full_precision: bool
     state: ShardState
+    _buffers: tuple[Tensor, ...]  # the unsharded and low-precision buffers, from init_buffers
+    _unpadded: dict[int, tuple[Tensor, Tensor]]  # id(padded buffer) -> (it, its unpadded view)
 
     def __init__(
         self,
@@ -121,6 +123,8 @@ class FlatParamStorage:
         self.param_dtype = param_dtype
         self.force_full_precision = False
         self.state = ShardState.UNSHARDED  # until shard_in_place
+        self._buffers = ()
+        self._unpadded = {}
         self._describe_shard()
 
     # -- precision ------------------------------------------------------------------
@@ -188,6 +192,9 @@ class FlatParamStorage:
                 flat_param._full_prec_full_param_padded = self._empty(
                     self.shard.padded_numel, self.orig_dtype
                 )
+        names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
+        self._buffers = tuple(t for n in names if (t := getattr(flat_param, n, None)) is not None)
+        self._unpadded = {}
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         buffer = torch.empty(numel, dtype=dtype, device=self.device)
@@ -250,12 +257,22 @@ class FlatParamStorage:
         buffer (sharded strategies) or ``unshard_input``'s result (``NO_SHARD``)."""
         flat_param = self.flat_param
         if self.shard.sharded:
-            flat_param.data = unsharded[: self.shard.layout.total_numel]
+            flat_param.data = self._unpadded_view(unsharded)
             if self.low_precision_now():
                 free_storage(flat_param._mp_shard)
         else:
             flat_param.data = unsharded
         self.state = ShardState.UNSHARDED
+
+    def _unpadded_view(self, padded: Tensor) -> Tensor:
+        """``padded[:unpadded numel]``, made once per persistent buffer: the view
+        stays valid while the buffer's storage comes and goes (see [Note:
+        Storage that comes and goes])."""
+        cached = self._unpadded.get(id(padded))
+        if cached is None or cached[0] is not padded:
+            cached = (padded, padded[: self.shard.layout.total_numel])
+            self._unpadded[id(padded)] = cached
+        return cached[1]
 
     def unsharded_to_cpu(self) -> Tensor:
         """summon_full_params(offload_to_cpu=True): the flat parameter becomes a
@@ -285,13 +302,7 @@ class FlatParamStorage:
 
     def unsharded_buffers(self) -> list[Tensor]:
         """The allocated unsharded (and low-precision) buffers."""
-        flat_param = self.flat_param
-        names = ("_full_param_padded", "_full_prec_full_param_padded", "_mp_shard")
-        return [
-            t
-            for n in names
-            if (t := getattr(flat_param, n, None)) is not None and not storage_freed(t)
-        ]
+        return [t for t in self._buffers if not storage_freed(t)]
 
     def buffers_freed_by_reshard(self, free_unsharded: bool) -> list[Tensor]:
         """What ``reshard(free_unsharded)`` releases (for the stream bookkeeping),
@@ -305,7 +316,7 @@ class FlatParamStorage:
         return [t for t in freed if t.device == self.device]  # not a CPU copy
 
     def free_unsharded(self) -> None:
-        for buffer in self.unsharded_buffers():
+        for buffer in self._buffers:
             free_storage(buffer)
 
     def low_precision_unsharded(self) -> Tensor | None:

@@ -135,3 +135,19 @@ class CommStreams:
         """The CPU waits for the device (before the optimizer reads CPU gradients)."""
         if self.is_cuda:
             self.current().synchronize()
+
+
+class UnshardHandle:
+    """What ``_unshard(async_op=True)`` returns: ``wait()`` makes the current
+    stream wait for the all-gather (nothing to wait for on the CPU)."""
+
+    _streams: CommStreams
+    _event: torch.cuda.Event | None
+
+    def __init__(self, streams: CommStreams, event: torch.cuda.Event | None) -> None:
+        self._streams = streams
+        self._event = event
+
+    def wait(self) -> None:
+        self._streams.compute_waits(self._event)
+        self._event = None

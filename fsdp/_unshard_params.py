@@ -172,30 +172,14 @@ class SummonedUnit:
             raise AssertionError(
                 f"Expects the handle training to be IDLE but got {handle.training_state}"
             )
-        state.training_state = TrainingState.SUMMON_FULL_PARAMS
+        state.begin_summon()
         if handle is None:
             return
-        handle.begin_summon()
-        state.drop_low_precision_unsharded(handle)  # [Note: Summoning keeps what forward kept]
-        self._free_on_exit = handle.ready_unsharded() is None
-        # Outside forward nothing else orders the all-gather after the optimizer
-        # step or a writeback on the current stream (see fsdp._streams).
-        state.root.streams.unshard_waits_for_compute()
-        state.unshard(handle)
-        state.wait_for_unshard(handle)
-        if self.with_grads:
-            state.unshard_grad(handle)
-        if self._hidden_here:
-            state.reshard(handle, free=self._free_on_exit)
-            handle.drop_unsharded_grad(writeback=False)
-            return
-        if self.offload_to_cpu:
-            device_data = handle.unsharded_to_cpu()
-            if self._free_on_exit:
-                state.root.streams.release([device_data])
-                handle.free_unsharded()
-        state.hide_flat_param()
-        handle._use_unsharded_views(as_params=True)
+        self._free_on_exit = handle.enter_summon(
+            self.with_grads, self.offload_to_cpu, self._hidden_here
+        )
+        if not self._hidden_here:
+            state.hide_flat_param()
 
     def exit(self, writeback: bool) -> None:
         if self._enclosed:
@@ -205,20 +189,8 @@ class SummonedUnit:
         try:
             if handle is None:
                 return
+            handle.exit_summon(writeback, self._free_on_exit, self._hidden_here)
             if not self._hidden_here:
-                self._leave_exposed(writeback)
-            handle.end_summon()
+                state.show_flat_param()
         finally:
-            state.training_state = TrainingState.IDLE
-
-    def _leave_exposed(self, writeback: bool) -> None:
-        state = self.state
-        handle = state.handle
-        assert handle is not None
-        if writeback:
-            handle.writeback_unsharded()
-        if not handle._use_orig_params:
-            handle._use_unsharded_views(as_params=False)
-        state.reshard(handle, free=self._free_on_exit)
-        handle.drop_unsharded_grad(writeback=writeback)
-        state.show_flat_param()
+            state.end_summon()

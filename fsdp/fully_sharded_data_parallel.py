@@ -23,8 +23,10 @@ from fsdp._common import (
 from fsdp._flat_param import FlatParameter, FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._init import UnitArgs, build_unit, resolve_groups
-from fsdp._runtime import CommHook, FSDPState, UnshardHandle
+from fsdp._reduce import CommHook
+from fsdp._runtime import FSDPState
 from fsdp._state_dict import StateDictHooks, optim_settings_with_mesh
+from fsdp._streams import UnshardHandle
 from fsdp._unshard_params import ensure_initialized, states_in
 from fsdp._unshard_params import summon_full_params as _summon
 from fsdp.api import (
@@ -107,8 +109,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         self._fsdp_wrapped_module = module
         self._state = build_unit(self, module, args, ignored, groups, device_mesh)
-        self._state.flat_param_owner = self.module
-        self._state.show_flat_param()
+        self._state.own_flat_param(self.module)
         StateDictHooks(self._state).register(self)
 
     # -- what the wrapper exposes -----------------------------------------------------------
@@ -208,19 +209,21 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def _comm_hook(self) -> CommHook | None:
         """The registered communication hook (None: FSDP's own reduction)."""
-        return self._state.comm_hook
+        spec = self._state.comm_hook
+        return None if spec is None else spec.hook
 
     @_comm_hook.setter
     def _comm_hook(self, hook: CommHook | None) -> None:
-        self._state.comm_hook = hook
+        self._state.set_comm_hook(hook, self._comm_hook_state)
 
     @property
     def _comm_hook_state(self) -> object:
-        return self._state.comm_hook_state
+        spec = self._state.comm_hook
+        return None if spec is None else spec.state
 
     @_comm_hook_state.setter
     def _comm_hook_state(self, state: object) -> None:
-        self._state.comm_hook_state = state
+        self._state.set_comm_hook(self._comm_hook, state)
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         for unit in states_in(self, recurse=True):
@@ -282,7 +285,7 @@ class FullyShardedDataParallel(nn.Module):
             return super()._apply(fn, recurse)
         use_orig = self._state.config.use_orig_params
         if use_orig:
-            handle.deregister_orig_params()
+            handle.views.release()
             self._parameters[FLAT_PARAM] = handle.flat_param
         try:
             return super()._apply(fn, recurse)
@@ -348,7 +351,7 @@ class FullyShardedDataParallel(nn.Module):
         previous = _previous_settings(states)
         settings = StateDictSettings(state_dict_type, config, optim_config)
         for state in states:
-            state.state_dict_settings = settings
+            state.set_state_dict_settings(settings)
         return previous
 
     @staticmethod
@@ -554,12 +557,12 @@ class FullyShardedDataParallel(nn.Module):
         states = states_in(self, recurse=True)
         previous = [s.sync_gradients for s in states]
         for state in states:
-            state.sync_gradients = False
+            state.set_sync_gradients(False)
         try:
             yield
         finally:
             for state, sync in zip(states, previous):
-                state.sync_gradients = sync
+                state.set_sync_gradients(sync)
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Registers ``hook`` to reduce gradients instead of FSDP, in every unit of
@@ -567,7 +570,7 @@ class FullyShardedDataParallel(nn.Module):
         ``hook(state, grad, output)`` with the padded unsharded gradient and an
         empty shard to fill; ``NO_SHARD`` calls ``hook(state, grad)``, which
         reduces ``grad`` in place (see [Note: Communication hooks] in
-        fsdp._runtime). Only on the root, before the first forward, and once;
+        fsdp._reduce). Only on the root, before the first forward, and once;
         not for hybrid strategies."""
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")
@@ -583,8 +586,7 @@ class FullyShardedDataParallel(nn.Module):
         if not callable(hook):
             raise ValueError(f"The communication hook must be callable but got {hook}")
         for unit in units:
-            unit.comm_hook = hook
-            unit.comm_hook_state = state
+            unit.set_comm_hook(hook, state)
 
     def _unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Starts this unit's all-gather ahead of its forward, which then finds the

@@ -56,6 +56,7 @@ PLANTED = textwrap.dedent(
     import fsdp._comm
     import fsdp._state_dict.optim_unit
     import fsdp._orig_params
+    import fsdp._reduce
     import fsdp._runtime
     import fsdp._unshard_params
     import fsdp.fully_sharded_data_parallel as fsdp_module
@@ -104,16 +105,12 @@ PLANTED = textwrap.dedent(
     def comm_hook_state():
         """A communication hook is handed a copy of its state, not the state."""
 
-        def hook_reduce(self, handle, grad):
-            state = copy.copy(self.comm_hook_state)
-            if not handle.uses_sharded_strategy:
-                self.comm_hook(state, grad)
-                return grad
-            padded, output = self._reduce_scatter_tensors(handle, grad)
-            self.comm_hook(state, padded, output)
-            return output
+        original = fsdp._reduce._hook_reduce
 
-        State._hook_reduce = hook_reduce
+        def hook_reduce(grad, plan, hook):
+            return original(grad, plan, hook._replace(state=copy.copy(hook.state)))
+
+        fsdp._reduce._hook_reduce = hook_reduce
 
 
     def fsdp_modules_root_only():

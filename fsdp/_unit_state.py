@@ -1,0 +1,76 @@
+"""The lifecycle of one FSDP unit (``FlatParamHandle``, fsdp._flat_param).
+
+[Note: The unit's lifecycle]
+One ``UnitState`` says what the unit does now and how far the iteration got
+(see [Note: One lifecycle per object] in fsdp._lifecycle for the checking):
+
+    IDLE --forward with grad--> FORWARD --> AWAITING_BACKWARD --pre-backward-->
+    PRE_BACKWARD --post-backward--> POST_BACKWARD --end of backward--> IDLE
+
+A forward without grad goes IDLE -> FORWARD -> IDLE. Several forwards before
+one backward: from AWAITING_BACKWARD a forward runs as
+``FORWARD_BEFORE_BACKWARD`` and returns there; a summon as
+``SUMMONED_BEFORE_BACKWARD``. A post-backward without a pre-backward (the
+unit's outputs needed no gradient while its parameters got one through another
+path) goes to POST_BACKWARD straight. ``UNIT_TRANSITIONS`` lists every move;
+``FlatParamHandle.training_state`` reads the state as torch's
+``HandleTrainingState`` (``TORCH_STATE``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from fsdp._common import HandleTrainingState
+
+__all__ = ["TORCH_STATE", "UNIT_TRANSITIONS", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    """The unit's lifecycle (see [Note: The unit's lifecycle])."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    AWAITING_BACKWARD = enum.auto()
+    FORWARD_BEFORE_BACKWARD = enum.auto()
+    SUMMONED = enum.auto()
+    SUMMONED_BEFORE_BACKWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+    # Members are singletons: identity hashing, in C, instead of Enum's
+    # hash of the name (the lifecycle checks run on every hook of every unit).
+    __hash__ = object.__hash__
+
+
+_S = UnitState
+UNIT_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.FORWARD, _S.SUMMONED, _S.POST_BACKWARD}),
+    _S.FORWARD: frozenset({_S.IDLE, _S.AWAITING_BACKWARD}),
+    _S.AWAITING_BACKWARD: frozenset(
+        {
+            _S.IDLE,  # end of a backward that never reached the unit
+            _S.FORWARD_BEFORE_BACKWARD,
+            _S.SUMMONED_BEFORE_BACKWARD,
+            _S.PRE_BACKWARD,
+            _S.POST_BACKWARD,
+        }
+    ),
+    _S.FORWARD_BEFORE_BACKWARD: frozenset({_S.AWAITING_BACKWARD}),
+    _S.SUMMONED: frozenset({_S.IDLE}),
+    _S.SUMMONED_BEFORE_BACKWARD: frozenset({_S.AWAITING_BACKWARD}),
+    _S.PRE_BACKWARD: frozenset({_S.POST_BACKWARD, _S.IDLE}),
+    _S.POST_BACKWARD: frozenset({_S.IDLE}),
+}
+
+# What each state reads as in torch's terms (tests and prefetch look at these).
+TORCH_STATE = {
+    _S.IDLE: HandleTrainingState.IDLE,
+    _S.FORWARD: HandleTrainingState.FORWARD,
+    _S.AWAITING_BACKWARD: HandleTrainingState.IDLE,
+    _S.FORWARD_BEFORE_BACKWARD: HandleTrainingState.FORWARD,
+    _S.SUMMONED: HandleTrainingState.SUMMON_FULL_PARAMS,
+    _S.SUMMONED_BEFORE_BACKWARD: HandleTrainingState.SUMMON_FULL_PARAMS,
+    _S.PRE_BACKWARD: HandleTrainingState.BACKWARD_PRE,
+    _S.POST_BACKWARD: HandleTrainingState.BACKWARD_POST,
+}
