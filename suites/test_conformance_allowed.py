@@ -49,7 +49,6 @@ def _settings(kind: sc.StateDictKind) -> sc.SetStateDictType:
 
 
 ORIG = sc.Setup(use_orig_params=True)
-MESH = sc.Setup(mesh=True, optimizer=sc.Optimizer.ADAM)
 NO_SHARD = sc.Setup(sharding=Sharding.NO_SHARD)
 BUFFER = sc.Net(vocab=0, width=2, blocks=(B((L(K.LINEAR, 2), L(K.SCALE))),))
 LOW_GRADS = Precision(
@@ -100,9 +99,6 @@ PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
         NET3,
         sc.Setup(wrap=Wrap.BLOCKS, forward_prefetch=True),
         (sc.Forward(no_grad=True), sc.Forward(), sc.Backward(), sc.Final()),
-    ),
-    "SHARDED_OPTIM_STATE_WITH_MESH": _scenario(
-        (*TRAIN, sc.SaveStateDict(), sc.SaveOptimState(api=sc.OptimApi.SHARDED)), MESH
     ),
 }
 

@@ -818,15 +818,6 @@ PENDING_UNASKED: dict[str, Unasked] = {
             impls=(OURS,),
             pending=True,
         ),
-        Unasked(
-            "SHARDED_OPTIM_STATE_WITH_MESH",
-            "sharded optimizer state dicts (sharded_optim_state_dict, optim_state_dict under "
-            "SHARDED_STATE_DICT) of units built with a device_mesh: torch's values are DTensors, "
-            "ours ShardedTensors (C12)",
-            _UNASKED_WITNESS,
-            impls=(OURS,),
-            pending=True,
-        ),
     )
 }
 

@@ -401,11 +401,6 @@ class ProgramMachine(RuleBasedStateMachine):
         settings = self.settings
         if api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.LOCAL:
             api = sc.OptimApi.FULL
-        sharded = api is sc.OptimApi.SHARDED or (
-            api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.SHARDED
-        )
-        if sharded and self.setup.mesh and not self.TARGET.asks("SHARDED_OPTIM_STATE_WITH_MESH"):
-            api = sc.OptimApi.FULL
         rank0_only = api is sc.OptimApi.FULL or (
             api is sc.OptimApi.OPTIM_STATE_DICT
             and settings.kind is sc.StateDictKind.FULL
