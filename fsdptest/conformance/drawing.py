@@ -155,6 +155,9 @@ def ignored(draw: st.DrawFn, setup: sc.Setup, net: sc.Net) -> sc.Setup:
 # -- the program -------------------------------------------------------------------------------
 
 NORMS = (2.0, 1.0, float("inf"))
+# A training step's zero_grad: none (the first: what shrinking tends to), set_to_none=True
+# (the default, drawn most), set_to_none=False.
+ZERO_GRADS = (None, True, True, False)
 MAX_NORMS = (0.05, 1000.0)
 
 
@@ -238,21 +241,29 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._free())
     @rule(
         microbatches=st.lists(st.booleans(), min_size=1, max_size=3),
-        set_to_none=st.booleans().map(lambda b: not b),
+        set_to_none=st.sampled_from(ZERO_GRADS),
         clip=st.none() | st.tuples(st.sampled_from(MAX_NORMS), st.sampled_from(NORMS)),
     )
     def train_step(
-        self, microbatches: list[bool], set_to_none: bool, clip: tuple[float, float] | None
+        self,
+        microbatches: list[bool],
+        set_to_none: bool | None,
+        clip: tuple[float, float] | None,
     ) -> None:
-        """``zero_grad``, forward and backward per microbatch (``True``: under
-        ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``."""
+        """Maybe ``zero_grad`` (``set_to_none`` None: the gradients of the last step
+        accumulate), forward and backward per microbatch (``True``: under
+        ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``.
+        A step without ``zero_grad`` comes first in ``ZERO_GRADS``: shrinking
+        turns steps into their three calls (a program that needs two steps is
+        then 7 calls long, with 8 it would be 9)."""
         may_no_sync = self.TARGET.may_accumulate(self.setup, self.net) and not self._in("no_sync")
         if self._hook_needs_fresh_gradients():
             microbatches, set_to_none = microbatches[:1], True
         windowed_any = may_no_sync and any(microbatches[:-1])
         if windowed_any and not self.TARGET.may_no_sync_onto_gradient(self.setup):
             set_to_none = True
-        self._add(sc.ZeroGrad(set_to_none=set_to_none))
+        if set_to_none is not None:
+            self._add(sc.ZeroGrad(set_to_none=set_to_none))
         for i, no_sync in enumerate(microbatches):
             windowed = may_no_sync and no_sync and i < len(microbatches) - 1
             if windowed:
