@@ -365,13 +365,17 @@ class TestTorchLimitations(FSDPTest):
         )
 
     def test_no_shard_hook_is_handed_the_accumulated_gradient(self) -> None:
-        """NO_SHARD, fp16 params and reduction, every rank the same input: a second
+        """NO_SHARD, fp16 params and reduction or full precision, every rank the same input: a second
         backward without zero_grad hands the hook twice the first backward's
         gradient (the reduced one again plus the new one); after zero_grad the
         same gradient as the first."""
         import torch.distributed.fsdp as torch_fsdp
 
-        precision = torch_fsdp.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        low = torch_fsdp.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        for precision in (low, None):
+            self._check_hook_handed_accumulated(precision)
+
+    def _check_hook_handed_accumulated(self, precision: object) -> None:
         model = self._no_shard(precision)
         handed: list[torch.Tensor] = []
 

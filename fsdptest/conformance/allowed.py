@@ -227,11 +227,11 @@ UNASKED = _entries(
     ),
     Unasked(
         "NO_SHARD_HOOK_HANDED_ACCUMULATED_GRADIENT",
-        "a communication hook of NO_SHARD units with a low param_dtype or reduce_dtype, on a "
-        "backward onto an existing gradient (a second backward without "
-        "zero_grad(set_to_none=True)): torch hands the hook the accumulated gradient, the "
-        "previous, already reduced one plus the new local one, cast to the low dtype, and so "
-        "reduces the previous gradient again (its accumulation defect, BUGS.md class 1); this "
+        "a communication hook of NO_SHARD units (any precision), on a backward onto an "
+        "existing gradient (a second backward without zero_grad(set_to_none=True)): torch "
+        "hands the hook the accumulated gradient, the previous, already reduced one plus the "
+        "new local one (cast to a low param/reduce dtype where there is one), and so reduces "
+        "the previous gradient again (its accumulation defect, BUGS.md class 1); this "
         "project's FSDP hands the hook the new local gradient and keeps the reduced one aside "
         "in full precision. With a hook, such units run each backward from no gradient",
         "suites/test_conformance_allowed.py::TestTorchLimitations::"
@@ -366,23 +366,21 @@ class Target:
             return False
         return not self._tied_low_precision(setup, net)
 
-    def _no_shard_low_precision(self, setup: Setup, reduce_too: bool) -> bool:
+    def _no_shard_low_precision(self, setup: Setup) -> bool:
         precision = setup.mixed_precision
         if setup.sharding is not Sharding.NO_SHARD or precision is None:
             return False
-        return precision.param_dtype is not None or (
-            reduce_too and precision.reduce_dtype is not None
-        )
+        return precision.param_dtype is not None
 
     def may_accumulate_hooked(self, setup: Setup) -> bool:
         """Whether a backward with a communication hook may start from an existing gradient."""
-        return not self._no_shard_low_precision(setup, reduce_too=True) or self.asks(
+        return setup.sharding is not Sharding.NO_SHARD or self.asks(
             "NO_SHARD_HOOK_HANDED_ACCUMULATED_GRADIENT"
         )
 
     def may_no_sync_onto_gradient(self, setup: Setup) -> bool:
         """Whether a ``no_sync`` window may start while the parameters have gradients."""
-        return not self._no_shard_low_precision(setup, reduce_too=False) or self.asks(
+        return not self._no_shard_low_precision(setup) or self.asks(
             "NO_SHARD_NO_SYNC_ONTO_FULL_PRECISION_GRADIENT"
         )
 
