@@ -397,18 +397,25 @@ class TestTorchLimitations(FSDPTest):
     def test_no_shard_no_sync_onto_a_full_precision_gradient(self) -> None:
         """NO_SHARD with a bf16 param_dtype: a backward under no_sync onto the zeroed
         float32 gradient of a synced backward leaves .grad float32; from no
-        gradient, the window's gradient is bfloat16."""
+        gradient, the window's gradient is bfloat16. With an fp16 reduce_dtype and
+        keep_low_precision_grads, onto the kept fp16 gradient it stays float16."""
         import torch.distributed.fsdp as torch_fsdp
 
-        precision = torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16)
-        for set_to_none, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        params = torch_fsdp.MixedPrecision(param_dtype=torch.bfloat16)
+        kept = torch_fsdp.MixedPrecision(reduce_dtype=torch.float16, keep_low_precision_grads=True)
+        cases = (
+            (params, False, torch.float32),
+            (params, True, torch.bfloat16),
+            (kept, False, torch.float16),  # the kept low-precision reduced gradient's dtype
+        )
+        for precision, set_to_none, dtype in cases:
             model = self._no_shard(precision)
             model(torch.ones(1, 2)).sum().backward()
             model.zero_grad(set_to_none=set_to_none)
             with model.no_sync():
                 model(torch.ones(1, 2)).sum().backward()
             grads = {p.grad.dtype for p in model.parameters()}
-            self.assertEqual(grads, {dtype}, f"set_to_none={set_to_none}")
+            self.assertEqual(grads, {dtype}, f"{precision}, set_to_none={set_to_none}")
 
     def test_local_load_keeps_a_stale_unsharded_parameter(self) -> None:
         """SHARD_GRAD_OP: after a no_grad forward, loading another model's

@@ -239,13 +239,15 @@ UNASKED = _entries(
     ),
     Unasked(
         "NO_SHARD_NO_SYNC_ONTO_FULL_PRECISION_GRADIENT",
-        "NO_SHARD units with a param_dtype, a backward under no_sync onto an existing "
-        "full-precision gradient (zero_grad(set_to_none=False), or a synced backward before): "
-        "torch lets autograd add the low-precision local gradient to the float32 one, a reduced "
-        "gradient included, which its next synced backward reduces again (the defect of "
-        "NO_SHARD_HOOK_HANDED_ACCUMULATED_GRADIENT), so .grad stays float32; this project's "
-        "FSDP sets the reduced gradient aside (BUGS.md class 1) and shows the window's local "
-        "sum in param_dtype. Such units enter no_sync only without a gradient",
+        "NO_SHARD units with a param_dtype or reduce_dtype, a backward under no_sync onto an "
+        "existing gradient (zero_grad(set_to_none=False), or a synced backward before): torch "
+        "lets autograd add the local gradient to the existing one, a reduced gradient "
+        "included, which its next synced backward reduces again (the defect of "
+        "NO_SHARD_HOOK_HANDED_ACCUMULATED_GRADIENT), so .grad keeps the existing gradient's "
+        "dtype (float32 after a synced backward with a param_dtype; float16 when "
+        "keep_low_precision_grads kept an fp16 reduced one); this project's FSDP sets the "
+        "reduced gradient aside (BUGS.md class 1) and shows the window's local sum in the "
+        "dtype of the local gradients. Such units enter no_sync only without a gradient",
         "suites/test_conformance_allowed.py::TestTorchLimitations::"
         "test_no_shard_no_sync_onto_a_full_precision_gradient",
     ),
@@ -370,7 +372,7 @@ class Target:
         precision = setup.mixed_precision
         if setup.sharding is not Sharding.NO_SHARD or precision is None:
             return False
-        return precision.param_dtype is not None
+        return precision.param_dtype is not None or precision.reduce_dtype is not None
 
     def may_accumulate_hooked(self, setup: Setup) -> bool:
         """Whether a backward with a communication hook may start from an existing gradient."""
