@@ -738,6 +738,13 @@ class _Saver:
 
 
 @torch.no_grad()
+def _check_same_use_orig_params(model: nn.Module) -> None:
+    """Torch's check before anything else (the lazy initialisation included, whose
+    check of the same attribute raises another error)."""
+    if len({state.config.use_orig_params for state in states_in(model, recurse=True)}) > 1:
+        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
+
+
 def optim_state_dict(
     model: nn.Module,
     osd: OSD,
@@ -749,6 +756,7 @@ def optim_state_dict(
     """The full (or, with ``form.shard``, sharded) form of the local optimizer state
     dict ``osd``; {} on ranks other than 0 under ``rank0_only``, which still take
     part in every collective."""
+    _check_same_use_orig_params(model)
     ensure_initialized(model)
     group = group or _comm.world()
     to_save = not rank0_only or group.rank() == 0 or form.shard
@@ -891,6 +899,7 @@ def optim_state_dict_to_load(
 ) -> OSD:
     """The local form of a full or sharded dict for ``model``'s optimizer. Under
     ``rank0_only`` only rank 0's ``osd`` is read."""
+    _check_same_use_orig_params(model)
     ensure_initialized(model)
     params = ModelParams(model)
     params.require_units()
