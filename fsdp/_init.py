@@ -377,8 +377,9 @@ def sync_states(
     """``sync_module_states``: every rank starts from the first rank's values."""
     src = _comm.group_ranks(group)[0]
     with torch.no_grad():  # a DTensor's local tensor (see [Note: Tensor-parallel parameters])
-        tensors = [local_of(p.data) for p in params]
-        tensors += [local_of(m._buffers[n]) for m, n in buffers if m._buffers[n] is not None]
+        # The buffers first, then the parameters: torch's order (one coalesced broadcast).
+        tensors = [local_of(m._buffers[n]) for m, n in buffers if m._buffers[n] is not None]
+        tensors += [local_of(p.data) for p in params]
     if device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
         raise ValueError(
             "The module has CPU parameters or buffers when `sync_module_states=True`, which "

@@ -181,3 +181,11 @@ def _get_param_to_fqns(
             if id(param) not in flat and fqn not in out[param]:
                 out[param].append(fqn)
     return out
+
+
+def check_same_use_orig_params(model: nn.Module) -> None:
+    """Torch's check before anything else in the optimizer state-dict calls (the
+    lazy initialisation included, whose check of the same attribute raises
+    another error)."""
+    if len({state.config.use_orig_params for state in states_in(model, recurse=True)}) > 1:
+        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")

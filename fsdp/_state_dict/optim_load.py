@@ -41,7 +41,14 @@ from torch.utils._pytree import (
 )
 
 from fsdp import _comm
-from fsdp._state_dict.optim_keys import OSD, KeySource, ModelParams, OptimStateKey, ParamKey
+from fsdp._state_dict.optim_keys import (
+    OSD,
+    KeySource,
+    ModelParams,
+    OptimStateKey,
+    ParamKey,
+    check_same_use_orig_params,
+)
 from fsdp._state_dict.optim_unit import gathered_state
 from fsdp._unshard_params import ensure_initialized
 
@@ -179,6 +186,7 @@ def optim_state_dict_to_load(
 ) -> OSD:
     """The local form of a full or sharded dict for ``model``'s optimizer. Under
     ``rank0_only`` only rank 0's ``osd`` is read."""
+    check_same_use_orig_params(model)
     ensure_initialized(model)
     params = ModelParams(model)
     params.require_units()

@@ -18,6 +18,7 @@ from fsdp._state_dict.optim_keys import (
     ModelParams,
     OptimStateKey,
     ParamKey,
+    check_same_use_orig_params,
     is_named_optimizer_state,
 )
 from fsdp._state_dict.optim_unit import SaveForm, UnitLayout
@@ -149,6 +150,7 @@ def optim_state_dict(
     """The full (or, with ``form.shard``, sharded) form of the local optimizer state
     dict ``osd``; {} on ranks other than 0 under ``rank0_only``, which still take
     part in every collective."""
+    check_same_use_orig_params(model)
     ensure_initialized(model)
     group = group or _comm.world()
     to_save = not rank0_only or group.rank() == 0 or form.shard

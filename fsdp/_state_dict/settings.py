@@ -29,6 +29,7 @@ from typing import NamedTuple
 from fsdp._runtime import FSDPState
 from fsdp.api import (
     FullStateDictConfig,
+    OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -76,12 +77,27 @@ def optim_settings_with_mesh(
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         raise RuntimeError(_LOCAL_WITH_MESH)
     config = settings.optim_state_dict_config
-    if isinstance(config, ShardedOptimStateDictConfig) and not config._use_dtensor:
+    if not isinstance(config, ShardedOptimStateDictConfig):
+        for state in states:
+            if state.device_mesh is not None:
+                _mark_use_dtensor(state.state_dict_settings.optim_state_dict_config)
+        return settings
+    if not config._use_dtensor:
         new = dataclasses.replace(config, _use_dtensor=True)
         settings_new = dataclasses.replace(settings, optim_state_dict_config=new)
         _share(states, settings, settings_new)
         return settings_new
     return settings
+
+
+def _mark_use_dtensor(config: OptimStateDictConfig | None) -> None:
+    """Torch sets ``_use_dtensor`` on whatever optimizer config object a unit with
+    a mesh holds, a full one included, and ``sharded_optim_state_dict`` then
+    saves DTensors until ``set_state_dict_type`` installs other config objects
+    (a context's exit restores the marked one). The full configs have no such
+    field here: the mark is an attribute of the config object, as in torch."""
+    if config is not None and not getattr(config, "_use_dtensor", False):
+        object.__setattr__(config, "_use_dtensor", True)
 
 
 def _share(states: list[FSDPState], old: StateDictSettings, new: StateDictSettings) -> None:

@@ -155,6 +155,9 @@ def ignored(draw: st.DrawFn, setup: sc.Setup, net: sc.Net) -> sc.Setup:
 # -- the program -------------------------------------------------------------------------------
 
 NORMS = (2.0, 1.0, float("inf"))
+# A training step's zero_grad: none (the first: what shrinking tends to), set_to_none=True
+# (the default, drawn most), set_to_none=False.
+ZERO_GRADS = (None, True, True, False)
 MAX_NORMS = (0.05, 1000.0)
 
 
@@ -206,6 +209,8 @@ class ProgramMachine(RuleBasedStateMachine):
         self.saved: list[Saved] = []
         self.saved_optim: list[SavedOptim] = []
         self.hooked = False
+        self.has_grads = False  # a backward ran since the last zero_grad(set_to_none=True)
+        self.kept = False  # a forward ran since the last synced backward (unsharded kept)
 
     # -- the scenario's model and arguments ------------------------------------------------
 
@@ -236,16 +241,29 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._free())
     @rule(
         microbatches=st.lists(st.booleans(), min_size=1, max_size=3),
-        set_to_none=st.booleans().map(lambda b: not b),
+        set_to_none=st.sampled_from(ZERO_GRADS),
         clip=st.none() | st.tuples(st.sampled_from(MAX_NORMS), st.sampled_from(NORMS)),
     )
     def train_step(
-        self, microbatches: list[bool], set_to_none: bool, clip: tuple[float, float] | None
+        self,
+        microbatches: list[bool],
+        set_to_none: bool | None,
+        clip: tuple[float, float] | None,
     ) -> None:
-        """``zero_grad``, forward and backward per microbatch (``True``: under
-        ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``."""
-        self._add(sc.ZeroGrad(set_to_none=set_to_none))
+        """Maybe ``zero_grad`` (``set_to_none`` None: the gradients of the last step
+        accumulate), forward and backward per microbatch (``True``: under
+        ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``.
+        A step without ``zero_grad`` comes first in ``ZERO_GRADS``: shrinking
+        turns steps into their three calls (a program that needs two steps is
+        then 7 calls long, with 8 it would be 9)."""
         may_no_sync = self.TARGET.may_accumulate(self.setup, self.net) and not self._in("no_sync")
+        if self._hook_needs_fresh_gradients():
+            microbatches, set_to_none = microbatches[:1], True
+        windowed_any = may_no_sync and any(microbatches[:-1])
+        if windowed_any and not self.TARGET.may_no_sync_onto_gradient(self.setup):
+            set_to_none = True
+        if set_to_none is not None:
+            self._add(sc.ZeroGrad(set_to_none=set_to_none))
         for i, no_sync in enumerate(microbatches):
             windowed = may_no_sync and no_sync and i < len(microbatches) - 1
             if windowed:
@@ -254,9 +272,14 @@ class ProgramMachine(RuleBasedStateMachine):
             if windowed:
                 self._add(sc.Exit())
         self.inited = True
+        self.has_grads = True
+        self.kept = self._in("no_sync")
         if clip is not None:
             self._clip(*clip)
         self._add(sc.OptimStep())
+
+    def _hook_needs_fresh_gradients(self) -> bool:
+        return self.hooked and not self.TARGET.may_accumulate_hooked(self.setup)
 
     def _clip(self, max_norm: float, norm_type: float) -> None:
         if norm_type == float("inf") and not self.TARGET.may_clip_inf(self.setup, self.net):
@@ -268,15 +291,20 @@ class ProgramMachine(RuleBasedStateMachine):
     def forward(self, no_grad: bool) -> None:
         """A forward on its own (not inside a summon: torch's FSDP then all-gathers
         on some ranks only under ``rank0_only``, and gloo aborts)."""
+        if self.has_grads and self._hook_needs_fresh_gradients():
+            no_grad = True
         self._add(sc.Forward(no_grad=no_grad))
         self.pending = not no_grad
         self.inited = True
+        self.kept = True
 
     @precondition(lambda self: self.pending)
     @rule()
     def backward(self) -> None:
         self._add(sc.Backward())
         self.pending = False
+        self.has_grads = True
+        self.kept = self.kept and self._in("no_sync")
 
     @precondition(lambda self: self._free())
     @rule()
@@ -287,6 +315,7 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule(set_to_none=st.booleans(), on_model=st.booleans())
     def zero_grad(self, set_to_none: bool, on_model: bool) -> None:
         self._add(sc.ZeroGrad(set_to_none=set_to_none, on_model=on_model))
+        self.has_grads = self.has_grads and not set_to_none
 
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(mode=st.booleans())
@@ -298,6 +327,7 @@ class ProgramMachine(RuleBasedStateMachine):
             self._free()
             and not self._in("no_sync")
             and self.TARGET.may_accumulate(self.setup, self.net)
+            and (not self.has_grads or self.TARGET.may_no_sync_onto_gradient(self.setup))
         )
     )
     @rule()
@@ -328,7 +358,7 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def set_state_dict_type(self, data: st.DataObject) -> None:
         settings = self.TARGET.fit_settings(
-            data.draw(settings_strategy(self._kinds()), label="settings")
+            data.draw(settings_strategy(self._kinds()), label="settings"), self.setup
         )
         self._add(sc.SetStateDictType(settings))
         self.settings = settings  # until an enclosing state_dict_type context restores its own
@@ -337,7 +367,7 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def enter_state_dict_type(self, data: st.DataObject) -> None:
         settings = self.TARGET.fit_settings(
-            data.draw(settings_strategy(self._kinds()), label="settings")
+            data.draw(settings_strategy(self._kinds()), label="settings"), self.setup
         )
         self._add(sc.EnterStateDictType(settings))
         self.contexts.append(("state_dict_type", self.settings))
@@ -357,6 +387,11 @@ class ProgramMachine(RuleBasedStateMachine):
             if saved.settings.kind is self.settings.kind
             and not (saved.settings.kind is sc.StateDictKind.FULL and saved.settings.rank0_only)
             and self.TARGET.may_load(self.setup, saved.settings.kind)
+            and not (
+                saved.settings.kind is sc.StateDictKind.LOCAL
+                and self.kept
+                and not self.TARGET.may_load_local_after_forward()
+            )
         ]
 
     @precondition(lambda self: self._free() and bool(self._loadable()))
@@ -371,16 +406,11 @@ class ProgramMachine(RuleBasedStateMachine):
 
     # -- optimizer state dicts --------------------------------------------------------------------
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self.TARGET.may_save_optim_state(self.setup))
     @rule(api=st.sampled_from(list(sc.OptimApi)))
     def save_optim_state(self, api: sc.OptimApi) -> None:
         settings = self.settings
         if api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.LOCAL:
-            api = sc.OptimApi.FULL
-        sharded = api is sc.OptimApi.SHARDED or (
-            api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.SHARDED
-        )
-        if sharded and self.setup.mesh and not self.TARGET.asks("SHARDED_OPTIM_STATE_WITH_MESH"):
             api = sc.OptimApi.FULL
         rank0_only = api is sc.OptimApi.FULL or (
             api is sc.OptimApi.OPTIM_STATE_DICT

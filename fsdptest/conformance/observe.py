@@ -28,6 +28,18 @@ chooses to exchange, not on anything a user sees, so a uint8 collective's
 numel is recorded as ``None`` (``fsdptest.conformance.allowed``:
 ``PICKLED_PAYLOAD_SIZES``); its kind, group and place in the sequence are
 compared.
+
+Two other ways torch issues collectives are recorded as the collectives they
+stand for. DTensor's redistributions (``full_tensor()``, ``redistribute``: a
+sharded state dict of units built with a device mesh) go through the
+functional collectives (``torch.distributed._functional_collectives``), which
+never call the names above: ``all_gather_single`` and its older names are
+recorded as an all-gather of the local tensor over the mesh dimension's
+group, ``reduce_scatter_single`` and ``all_reduce`` likewise. And
+``sync_module_states`` broadcasts through ``dist._broadcast_coalesced``
+(flattened buckets, on accelerators only: torch refuses CPU modules there),
+recorded as one broadcast per tensor, in its order: which tensors travel from
+which rank is what a user sees, the bucketing is not.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import inspect
 import math
 import re
 import threading
@@ -44,6 +57,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
@@ -258,7 +272,7 @@ class Collectives:
     def __init__(self) -> None:
         self.calls: list[CollectiveCall] = []
         self._guard = threading.local()
-        self._originals: dict[str, Callable[..., Any]] = {}
+        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
 
     def take(self) -> tuple[CollectiveCall, ...]:
         calls, self.calls = tuple(self.calls), []
@@ -277,16 +291,58 @@ class Collectives:
 
         return recorded
 
+    def _wrap_functional(self, kind: Kind, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._guard, "active", False):
+                return original(*args, **kwargs)
+            self._guard.active = True
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+                tensor = bound[next(iter(signature.parameters))]
+                self.calls.append(_functional_call(kind, tensor, bound.get("group")))
+                return original(*args, **kwargs)
+            finally:
+                self._guard.active = False
+
+        return recorded
+
+    def _wrap_coalesced(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            if getattr(self._guard, "active", False):
+                return original(group, tensors, *args, **kwargs)
+            self._guard.active = True
+            try:
+                for tensor in tensors:
+                    self.calls.append(_call(Kind.BROADCAST, (tensor, group), {}))
+                return original(group, tensors, *args, **kwargs)
+            finally:
+                self._guard.active = False
+
+        return recorded
+
     def __enter__(self) -> Collectives:
         for kind in Kind:
             for name in kind.names():
-                self._originals[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(kind, self._originals[name]))
+                self._patch(dist, name, self._wrap(kind, getattr(dist, name)))
+        for kind, names in _FUNCTIONAL.items():
+            for name in names:
+                if hasattr(funcol, name):
+                    self._patch(funcol, name, self._wrap_functional(kind, getattr(funcol, name)))
+        if hasattr(dist, "_broadcast_coalesced"):
+            self._patch(
+                dist, "_broadcast_coalesced", self._wrap_coalesced(dist._broadcast_coalesced)
+            )
         return self
 
+    def _patch(self, module: Any, name: str, recorded: Callable[..., Any]) -> None:
+        self._originals[(module, name)] = getattr(module, name)
+        setattr(module, name, recorded)
+
     def __exit__(self, *exc: object) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         self._originals.clear()
 
 
@@ -309,6 +365,44 @@ def _call(kind: Kind, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Collecti
     if inp.dtype == torch.uint8:  # pickled objects: see the note
         return CollectiveCall(kind.name, str(inp.dtype), None, None, ranks)
     return CollectiveCall(kind.name, str(inp.dtype), inp.numel(), out_numel, ranks)
+
+
+# The functional collectives DTensor redistributes with (torch 2.13's names and older ones).
+_FUNCTIONAL: dict[Kind, tuple[str, ...]] = {
+    Kind.ALL_GATHER: ("all_gather_single", "all_gather_tensor", "all_gather_tensor_autograd"),
+    Kind.REDUCE_SCATTER: (
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_autograd",
+    ),
+    Kind.ALL_REDUCE: ("all_reduce",),
+}
+
+
+def _functional_call(kind: Kind, tensor: torch.Tensor, group: Any) -> CollectiveCall:
+    """A functional collective of ``tensor`` over ``group`` (a process group, a
+    1-D mesh, a ``(mesh, dim)`` pair, a group name or a rank list)."""
+    ranks = _functional_group_ranks(group)
+    size = len(ranks)
+    out = {
+        Kind.ALL_GATHER: tensor.numel() * size,
+        Kind.REDUCE_SCATTER: tensor.numel() // max(size, 1),
+    }.get(kind, tensor.numel())
+    return CollectiveCall(kind.name, str(tensor.dtype), tensor.numel(), out, ranks)
+
+
+def _functional_group_ranks(group: Any) -> tuple[int, ...]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        group = group[0].get_group(group[1])
+    elif isinstance(group, DeviceMesh):
+        group = group.get_group()
+    elif isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    if isinstance(group, (list, tuple)) and all(isinstance(r, int) for r in group):
+        return tuple(group)
+    return tuple(dist.get_process_group_ranks(group))
 
 
 # -- warnings and exceptions ------------------------------------------------------------------------

@@ -12,8 +12,14 @@ is one rule of several calls). ``ci`` is derandomized (every run draws the same
 scenarios) and must stay under three minutes on two CPU cores for the three
 world sizes together; ``deep`` draws new ones every run and keeps failing ones
 in the hypothesis database. ``--conformance-scenarios N`` replaces either
-count (a bounded deep run). Each scenario runs on the ranks as one call with
+count (a bounded deep run). A failure is shrunk for up to ``SHRINK_SECONDS``
+(hypothesis's own limit, five minutes, cut the shrinking of the planted bugs
+short on a loaded machine). Each scenario runs on the ranks as one call with
 its own deadline (``SCENARIO_TIMEOUT_S``): a hang costs one scenario's time.
+The deadline is well above what the longest drawn programs take on a loaded
+machine: a 57-call program at two ranks took 62 s under a load average of 22
+on two cores, and at 60 s two such scenarios of a deep run timed out without
+any rank being stuck.
 
 [Note: What the pytest process does]
 Only this module, ``scenario``, ``drawing`` and ``allowed`` are imported in the
@@ -25,9 +31,11 @@ call, and reads the verdict and rank 0's statistics line back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,7 +51,30 @@ from harness.rank_calls import CallOutcome, RankCalls
 from harness.testcase import DistributedTest
 
 STATS_PREFIX = "conformance-stats "  # the line rank 0 prints (fsdptest.conformance.check)
-SCENARIO_TIMEOUT_S = 60.0
+SCENARIO_TIMEOUT_S = 150.0
+
+
+# Hypothesis stops shrinking after five minutes ("making very slow progress"); one
+# scenario is a rank call of seconds on a loaded machine, and a drawn program of
+# 20 calls needs a few hundred of them to shrink (see [Note: Conformance budgets]).
+SHRINK_SECONDS = 1800
+
+
+@contextlib.contextmanager
+def _shrinking_for(seconds: int) -> Iterator[None]:
+    """Hypothesis's shrinking limit raised to ``seconds`` while inside (its
+    engine's module constant, where this version has one)."""
+    from hypothesis.internal.conjecture import engine
+
+    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if before is None:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = max(before, seconds)
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before
 
 
 class Budget(NamedTuple):
@@ -149,7 +180,8 @@ class ConformanceSearch:
             stateful_step_count=self.budget.steps,
         )
         failed_before = self.tally.failed
-        run_state_machine_as_test(machine, settings=chosen)
+        with _shrinking_for(SHRINK_SECONDS):
+            run_state_machine_as_test(machine, settings=chosen)
         failed = self.tally.failed - failed_before
         if failed:  # only in a survey: otherwise the first failure raised
             raise ScenarioFailed(
