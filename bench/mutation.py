@@ -28,19 +28,50 @@ to the files' mutant counts (largest remainders), and each file's mutants are
 drawn with ``random.Random(f"{seed}:{file}")``. The same seed and the same
 sources give the same sample.
 
+[Note: Mutants that cannot change behaviour are not sampled]
+Before sampling, ``prepare`` marks as skipped (``not sampled: unobservable``)
+every mutant whose whole span lies where no program can see a change, by
+construction of the language, not by argument about one mutant:
+
+- an annotation (of a parameter, a return, or an annotated assignment) in a
+  module with ``from __future__ import annotations``: the annotation is kept as
+  a string that nothing evaluates (nothing in ``fsdp/`` calls
+  ``typing.get_type_hints``; ``dataclasses`` reads a field's annotation string
+  only to look for ``ClassVar``/``InitVar``, which no operator can produce);
+- a docstring, or the body of an ``if TYPE_CHECKING:`` block (never executed).
+
+These are not equivalent survivors triaged by hand: they are outside the
+sample. Every other mutant, however likely to be equivalent, stays in the pool
+and is triaged by hand when it survives.
+
 [Note: The per-mutant gate]
 ``gate`` runs in the scratch copy with the mutant applied: one pytest session,
 ``-x``, the differential conformance search at world size 2
 (``--conformance-scenarios``, derandomized ``ci`` profile, so every mutant meets
 the same scenarios) first, then the suites of the mutated file's feature area
-(``AREA_SUITES``). Every test has a pytest-timeout; the whole gate has
-cosmic-ray's ``timeout`` (a hanging mutant is killed by timeout). An unmutated
-gate exits 0 (``run`` checks that first with ``--baseline``).
+(``AREA_SUITES``). An unmutated gate exits 0 (``run`` checks that first with
+``--baseline``).
+
+[Note: Hangs]
+A mutant that makes a test hang (a rank waits in a collective its peers never
+enter, a loop that never ends) is a real failure of the gate: every test has
+pytest-timeout's 120 s deadline, and for a distributed test the harness's
+deadline falls just below it and fails the test with every rank's stack, as
+in CI. So a hang is *killed* by a failing test, not by cosmic-ray's timeout,
+which is raised to a backstop (600 s) that only a gate hanging outside every
+test reaches; such a "timeout" result is not counted as a kill until
+``retest --outcomes timeout`` on a quiet machine shows it again. The gate log
+marks a failure that was a deadline (``"deadline": true``) so that a kill by a
+deadline can be told from a fast failure: on a loaded machine an unmutated test
+can approach 120 s, so each deadline kill is rerun (``retest --outcomes
+deadline``) and counted as killed only if the rerun fails the same way while
+the file's unmutated gate passes well inside the deadline.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -166,6 +197,65 @@ def allocate(counts: dict[str, int], total: int, min_per_file: int) -> dict[str,
     return share
 
 
+Span = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _docstring_node(node: ast.AST) -> ast.AST | None:
+    body = getattr(node, "body", None)
+    if not body or not isinstance(body, list):
+        return None
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        if isinstance(first.value.value, str):
+            return first
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _span(node: ast.AST) -> Span:
+    return (
+        (node.lineno, node.col_offset),  # type: ignore[attr-defined]
+        (node.end_lineno, node.end_col_offset),  # type: ignore[attr-defined]
+    )
+
+
+def unobservable_spans(source: str) -> list[Span]:
+    """The spans of ``source`` that no running program can observe (see
+    ``[Note: Mutants that cannot change behaviour are not sampled]``)."""
+    tree = ast.parse(source)
+    lazy = any(
+        isinstance(n, ast.ImportFrom)
+        and n.module == "__future__"
+        and any(a.name == "annotations" for a in n.names)
+        for n in tree.body
+    )
+    spans: list[Span] = []
+    for node in ast.walk(tree):
+        doc = _docstring_node(node) if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else None  # fmt: skip
+        if doc is not None:
+            spans.append(_span(doc))
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            spans += [_span(stmt) for stmt in node.body]
+        if not lazy:
+            continue
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            spans.append(_span(node.annotation))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            spans.append(_span(node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            spans.append(_span(node.annotation))
+    return spans
+
+
+def _inside(spans: list[Span], start: tuple[int, int], end: tuple[int, int]) -> bool:
+    return any(lo <= start and end <= hi for lo, hi in spans)
+
+
 def prepare(args: argparse.Namespace) -> None:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
@@ -178,9 +268,22 @@ def prepare(args: argparse.Namespace) -> None:
     _write_config(workdir)
     _run(["cosmic-ray", "init", CONFIG, SESSION], workdir)
     by_file: dict[str, list[str]] = defaultdict(list)
+    unobservable: dict[str, list[str]] = defaultdict(list)
+    spans: dict[str, list[Span]] = {}
     with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
         for item in db.work_items:
-            by_file[str(item.mutations[0].module_path)].append(item.job_id)
+            m = item.mutations[0]
+            f = str(m.module_path)
+            if f not in spans:
+                spans[f] = unobservable_spans((workdir / f).read_text())
+            if _inside(spans[f], tuple(m.start_pos), tuple(m.end_pos)):
+                unobservable[f].append(item.job_id)
+            else:
+                by_file[f].append(item.job_id)
+        db.set_multiple_results(
+            [i for ids in unobservable.values() for i in ids],
+            WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled: unobservable"),
+        )
         counts = {f: len(ids) for f, ids in sorted(by_file.items())}
         share = allocate(counts, args.mutants, args.min_per_file)
         chosen: set[str] = set()
@@ -200,11 +303,13 @@ def prepare(args: argparse.Namespace) -> None:
         "shard": args.shard,
         "in_shard": len(mine),
         "per_file": {f: [counts[f], share[f]] for f in counts},
+        "unobservable": {f: len(ids) for f, ids in sorted(unobservable.items())},
     }
     (workdir / "mutation-plan.json").write_text(json.dumps(plan, indent=1))
     print(
-        f"{sum(counts.values())} mutants enumerated in {len(counts)} files; {len(chosen)} sampled, "
-        f"{len(mine)} in shard {args.shard}"
+        f"{sum(counts.values())} mutants in {len(counts)} files (and "
+        f"{sum(len(i) for i in unobservable.values())} unobservable, not sampled); "
+        f"{len(chosen)} sampled, {len(mine)} in shard {args.shard}"
     )
     for f in counts:
         print(f"  {f}: {share[f]} of {counts[f]}")
@@ -236,6 +341,11 @@ def gate_command(files: list[str], scenarios: int, test_timeout: int) -> list[st
     ]  # fmt: skip
 
 
+def _hit_deadline(output: str) -> bool:
+    """Whether a test of the gate failed on a deadline (see [Note: Hangs])."""
+    return "Failed: Timeout >" in output or "timed out after" in output
+
+
 def gate(args: argparse.Namespace) -> int:
     cwd = Path.cwd()
     files = _mutated_files(cwd) or list(args.files)
@@ -249,7 +359,13 @@ def gate(args: argparse.Namespace) -> int:
     with open(cwd / GATE_LOG, "a") as log:
         log.write(
             json.dumps(
-                {"files": files, "rc": proc.returncode, "seconds": round(elapsed, 1), "tail": tail}
+                {
+                    "files": files,
+                    "rc": proc.returncode,
+                    "seconds": round(elapsed, 1),
+                    "deadline": _hit_deadline(proc.stdout + proc.stderr),
+                    "tail": tail,
+                }
             )
             + "\n"
         )
@@ -279,7 +395,8 @@ def retest(args: argparse.Namespace) -> None:
         r
         for w in args.results
         for r in _rows(Path(w).resolve())
-        if r["outcome"] in args.outcomes and r["job_id"] not in args.skip
+        if (r["outcome"] in args.outcomes or ("deadline" in args.outcomes and r["deadline"]))
+        and r["job_id"] not in args.skip
     ]
     out = []
     for r in survivors:
@@ -292,9 +409,10 @@ def retest(args: argparse.Namespace) -> None:
                     cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout
                 )
                 outcome = "survived" if proc.returncode == 0 else "killed"
+                deadline = _hit_deadline(proc.stdout + proc.stderr)
                 tail = (proc.stdout + proc.stderr).splitlines()[-6:]
             except subprocess.TimeoutExpired:
-                outcome, tail = "timeout", []
+                outcome, deadline, tail = "timeout", False, []
         finally:
             _run(["git", "checkout", "-q", "--", "fsdp"], workdir)
         seconds = round(time.monotonic() - start, 1)
@@ -303,6 +421,7 @@ def retest(args: argparse.Namespace) -> None:
             "file": r["file"],
             "line": r["line"],
             "outcome": outcome,
+            "deadline": deadline,
             "seconds": seconds,
             "tail": tail,
         }
@@ -356,6 +475,8 @@ def _rows(workdir: Path) -> list[dict]:
                     "line": m.start_pos[0],
                     "definition": m.definition_name,
                     "outcome": outcome,
+                    "deadline": outcome == "killed"
+                    and _hit_deadline(results[item.job_id].output or ""),
                     "diff": results[item.job_id].diff if item.job_id in results else "",
                 }
             )
@@ -425,7 +546,8 @@ def main() -> int:
         "--outcomes",
         nargs="+",
         default=["survived"],
-        help="which results to retest (timeout: whether a timeout was a hang or load)",
+        help="which results to retest: survived, timeout (cosmic-ray's backstop), deadline "
+        "(killed by a test's deadline: a hang or load?)",
     )
     args = parser.parse_args()
     if args.command == "gate":
