@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdptest.conformance import scenario as sc
-from fsdptest.conformance.implementation import FsdpApi
+from fsdptest.conformance.implementation import FsdpApi, as_a_user_writes
 from fsdptest.conformance.nets import batch, build, materialize
 from fsdptest.conformance.observe import EXACT, Collectives, Observer, catching, first_difference
 
@@ -203,7 +203,7 @@ class Run:
         elif ignored:
             kwargs["ignored_modules"] = ignored
         kwargs.update(self._groups())
-        return kwargs
+        return as_a_user_writes("FullyShardedDataParallel", kwargs)
 
     def _groups(self) -> dict[str, Any]:
         """The process groups or device mesh of the scenario (every rank creates every group)."""
@@ -347,7 +347,8 @@ class Run:
         self._contexts.append((name, context, previous))
 
     def _op_ClipGradNorm(self, op: sc.ClipGradNorm) -> None:
-        self._note("total norm", self.model.clip_grad_norm_(op.max_norm, op.norm_type))
+        options = as_a_user_writes("clip_grad_norm_", {"norm_type": op.norm_type})
+        self._note("total norm", self.model.clip_grad_norm_(op.max_norm, **options))
 
     def _op_SetStateDictType(self, op: sc.SetStateDictType) -> None:
         config, optim_config = self.api.configs(op.settings)
@@ -423,13 +424,15 @@ class Run:
         )
 
     def _op_EnterSummon(self, op: sc.EnterSummon) -> None:
+        options = {
+            "recurse": op.recurse,
+            "writeback": op.writeback,
+            "rank0_only": op.rank0_only,
+            "offload_to_cpu": op.offload_to_cpu,
+            "with_grads": op.with_grads,
+        }
         summon = self.api.FSDP.summon_full_params(
-            self.model,
-            recurse=op.recurse,
-            writeback=op.writeback,
-            rank0_only=op.rank0_only,
-            offload_to_cpu=op.offload_to_cpu,
-            with_grads=op.with_grads,
+            self.model, **as_a_user_writes("summon_full_params", options)
         )
         self._enter("summon_full_params", summon)
 
@@ -479,7 +482,8 @@ class Run:
 
     def _op_FsdpModules(self, op: sc.FsdpModules) -> None:
         names = {id(m): name for name, m in self.model.named_modules()}
-        found = self.api.FSDP.fsdp_modules(self.model, root_only=op.root_only)
+        options = as_a_user_writes("fsdp_modules", {"root_only": op.root_only})
+        found = self.api.FSDP.fsdp_modules(self.model, **options)
         self._note("fsdp modules", tuple(names.get(id(m), "(not in the model)") for m in found))
 
     def _op_WrapAgain(self, op: sc.WrapAgain) -> None:
