@@ -476,7 +476,25 @@ def report(args: argparse.Namespace) -> None:
         log = workdir / GATE_LOG
         if log.exists():
             seconds += [json.loads(line)["seconds"] for line in log.read_text().splitlines()]
+    _settle(rows, args.retest, args.triage)
     _summarise(rows, seconds, args.json)
+
+
+def _settle(rows: list[dict], retests: list[str], triage: str | None) -> None:
+    """Each mutant's final outcome: its last retest's (``retest --json`` files, in
+    order) or the run's; and its triage (``--triage``: a JSON object from job-id
+    prefix to ``{"verdict": ..., "why": ...}``)."""
+    last: dict[str, dict] = {}
+    for path in retests:
+        for row in json.loads(Path(path).read_text()):
+            last[row["job_id"]] = row
+    verdicts = json.loads(Path(triage).read_text()) if triage else {}
+    for r in rows:
+        again = last.get(r["job_id"])
+        r["retest"] = None if again is None else {k: again[k] for k in ("outcome", "seconds")}
+        r["final"] = r["outcome"] if again is None else again["outcome"]
+        found = [v for k, v in verdicts.items() if r["job_id"].startswith(k)]
+        r["triage"] = found[0] if found else None
 
 
 def _rows(workdir: Path) -> list[dict]:
@@ -513,8 +531,21 @@ def _summarise(rows: list[dict], seconds: list[float], json_path: str | None) ->
     for r in rows:
         per_file[r["file"]][r["outcome"]] += 1
     total = Counter(r["outcome"] for r in rows)
+    ran = [r for r in rows if r["outcome"] != "pending"]
+    equivalent = [r for r in ran if (r.get("triage") or {}).get("verdict") == "equivalent"]
+    counted = [r for r in ran if r not in equivalent]
+    killed = [r for r in counted if r.get("final", r["outcome"]) == "killed"]
     summary = {
         "outcomes": dict(total),
+        "final": {
+            "ran": len(ran),
+            "equivalent": len(equivalent),
+            "non_equivalent": len(counted),
+            "killed": len(killed),
+            "not_killed": len(counted) - len(killed),
+            "kill_rate": round(len(killed) / len(counted), 3) if counted else None,
+            "final_outcomes": dict(Counter(r.get("final", r["outcome"]) for r in ran)),
+        },
         "per_file": {f: dict(c) for f, c in sorted(per_file.items())},
         "gate_seconds": {
             "runs": len(seconds),
@@ -559,6 +590,8 @@ def main() -> int:
     q = sub.add_parser("report", help="kill rate per file and the survivors' diffs")
     q.add_argument("--workdir", nargs="+", default=["/tmp/fsdp-mutation"], help="one per shard")
     q.add_argument("--json", default=None)
+    q.add_argument("--retest", nargs="*", default=[], help="retest --json files, oldest first")
+    q.add_argument("--triage", default=None, help="JSON: job-id prefix -> verdict and why")
     t = sub.add_parser("retest", help="run the survivors again under the checkout's current gate")
     t.add_argument("--workdir", default="/tmp/fsdp-mutation-retest", help="a prepared copy")
     t.add_argument("--results", nargs="+", required=True, help="the workdirs of the run")
