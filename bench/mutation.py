@@ -52,6 +52,13 @@ the same scenarios) first, then the suites of the mutated file's feature area
 (``AREA_SUITES``). An unmutated gate exits 0 (``run`` checks that first with
 ``--baseline``).
 
+[Note: Incompetent mutants]
+cosmic-ray's operators work on parso's tree and can write a mutant that is not
+Python (``{**a, **b}``'s unpacking ``**`` taken for a power and replaced by
+``&``). Such a mutant fails every gate at import, which says nothing about the
+gate: ``report`` compiles each mutant that ran and reports one that does not
+compile as ``incompetent``, outside the kill rate.
+
 [Note: Hangs]
 A mutant that makes a test hang (a rank waits in a collective its peers never
 enter, a loop that never ends) is a real failure of the gate: every test has
@@ -508,6 +515,8 @@ def _rows(workdir: Path) -> list[dict]:
             if outcome == "skipped":
                 continue
             m = item.mutations[0]
+            if outcome != "pending" and not _compiles(workdir, m):
+                outcome = "incompetent"
             rows.append(
                 {
                     "job_id": item.job_id,
@@ -523,6 +532,25 @@ def _rows(workdir: Path) -> list[dict]:
                 }
             )
     return rows
+
+
+def _compiles(workdir: Path, mutation: object) -> bool:
+    """Whether the mutant is Python at all (see [Note: Incompetent mutants])."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    m = mutation
+    path = str(m.module_path)  # type: ignore[attr-defined]
+    source = subprocess.run(
+        ["git", "show", f"HEAD:{path}"], cwd=workdir, check=True, capture_output=True, text=True
+    ).stdout
+    operator = get_operator(m.operator_name)(**m.operator_args)  # type: ignore[attr-defined]
+    code = mutate_code(source, operator, m.occurrence)  # type: ignore[attr-defined]
+    try:
+        compile(code, path, "exec")
+    except SyntaxError:
+        return False
+    return True
 
 
 def _summarise(rows: list[dict], seconds: list[float], json_path: str | None) -> None:
