@@ -25,8 +25,14 @@ as skipped.
 sample is stratified by file and seeded: every file gets ``--min-per-file``
 mutants (or all it has), the rest of ``--mutants`` is shared out in proportion
 to the files' mutant counts (largest remainders), and each file's mutants are
-drawn with ``random.Random(f"{seed}:{file}")``. The same seed and the same
-sources give the same sample.
+drawn with ``random.Random(f"{seed}:{file}")`` from the file's mutants in the
+order of (operator, occurrence), and ``--shard I/N`` keeps every N-th of the
+sample in (file, operator, occurrence) order. The same seed and the same sources
+give the same sample in every prepared copy, so the shards are its disjoint
+parts. (Keyed on cosmic-ray's job ids, which are random per ``cosmic-ray
+init``, as in the first version of this script, each copy drew a sample of its
+own: the shards of the run of 2026-11-26 overlap in two mutants and miss
+others; docs/mutation.md.)
 
 [Note: Mutants that cannot change behaviour are not sampled]
 Before sampling, ``prepare`` marks as skipped (``not sampled: unobservable``)
@@ -286,6 +292,10 @@ def _inside(spans: list[Span], start: tuple[int, int], end: tuple[int, int]) -> 
     return any(lo <= start and end <= hi for lo, hi in spans)
 
 
+def _file_of(job_id: str, by_file: dict[str, list[str]]) -> str:
+    return next(f for f, ids in by_file.items() if job_id in ids)
+
+
 def prepare(args: argparse.Namespace) -> None:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
@@ -300,6 +310,7 @@ def prepare(args: argparse.Namespace) -> None:
     by_file: dict[str, list[str]] = defaultdict(list)
     unobservable: dict[str, list[str]] = defaultdict(list)
     spans: dict[str, list[Span]] = {}
+    stable: dict[str, tuple[str, int]] = {}  # job id -> (operator, occurrence): see the note
     with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
         for item in db.work_items:
             m = item.mutations[0]
@@ -310,6 +321,7 @@ def prepare(args: argparse.Namespace) -> None:
                 unobservable[f].append(item.job_id)
             else:
                 by_file[f].append(item.job_id)
+                stable[item.job_id] = (m.operator_name, m.occurrence)
         db.set_multiple_results(
             [i for ids in unobservable.values() for i in ids],
             WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled: unobservable"),
@@ -318,10 +330,11 @@ def prepare(args: argparse.Namespace) -> None:
         share = allocate(counts, args.mutants, args.min_per_file)
         chosen: set[str] = set()
         for f in sorted(by_file):
-            ids = sorted(by_file[f])
+            ids = sorted(by_file[f], key=stable.__getitem__)
             chosen.update(random.Random(f"{args.seed}:{f}").sample(ids, share[f]))
         index, count = (int(x) for x in args.shard.split("/"))
-        mine = {i for k, i in enumerate(sorted(chosen)) if k % count == index}
+        order = sorted(chosen, key=lambda i: (_file_of(i, by_file), stable[i]))
+        mine = {i for k, i in enumerate(order) if k % count == index}
         skipped = [i for ids in by_file.values() for i in ids if i not in mine]
         db.set_multiple_results(
             skipped,
