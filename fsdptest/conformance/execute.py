@@ -496,6 +496,23 @@ class Run:
             self._note("full parameters", dict(self.model.named_parameters()))
         with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
             self._note("full state dict", self.model.state_dict())
+        self._note_default_settings()
+
+    def _note_default_settings(self) -> None:
+        """The settings (configs included) each state-dict type gets when entered
+        without configs: the configs' defaults and fields, which a program that
+        passes its own configs, or draws no such type, never shows."""
+        FSDP = self.api.FSDP
+        for kind in STATE_DICT_TYPES:
+            with catching() as caught:  # an exception is an observation, not the end
+                with FSDP.state_dict_type(self.model, self.api.StateDictType[kind]):
+                    settings = FSDP.get_state_dict_type(self.model)
+                    self._note(f"default settings of {kind}", settings)
+            if caught[0].error is not None:
+                self._note(f"default settings of {kind} raised", caught[0].error)
+
+
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
 
 
 def _drop_parameter_hooks(model: nn.Module) -> None:
