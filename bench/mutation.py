@@ -139,8 +139,12 @@ AREA_SUITES: dict[str, list[str]] = {
     "fsdp/_flat_param.py": ["suites/test_flatten_params.py"],
     "fsdp/_grads.py": ["suites/test_grad_accumulation.py"],
     "fsdp/_ignored.py": ["suites/test_construction.py"],
-    # and its checks of tensor-parallel (DTensor) parameters
-    "fsdp/_init.py": ["suites/test_construction.py", "suites/test_fsdp_tp_integration.py"],
+    # and its checks of tensor-parallel (DTensor) parameters, and HSDP's groups
+    "fsdp/_init.py": [
+        "suites/test_construction.py",
+        "suites/test_fsdp_tp_integration.py",
+        "suites/test_fsdp_hybrid_shard.py",
+    ],
     "fsdp/_layout.py": ["suites/test_flatten_params.py"],
     "fsdp/_optim_state_dict.py": [
         "suites/test_state_dict_options.py",

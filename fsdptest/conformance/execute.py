@@ -181,6 +181,7 @@ class Run:
             kwargs["param_init_fn"] = self._param_init_fn()
         self.model = self.api.FSDP(model, **kwargs)
         self._note("modules", self._structure())
+        self._note_units()
         self.optim = self._optimizer()
 
     def _fsdp_kwargs(self, model: nn.Module) -> dict[str, Any]:
@@ -497,6 +498,16 @@ class Run:
         with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
             self._note("full state dict", self.model.state_dict())
         self._note_default_settings()
+        self._note_units()
+
+    def _note_units(self) -> None:
+        """Every unit's instance attributes that torch's FSDP documents by use
+        (``UNIT_ATTRIBUTES``): its process groups by their ranks, its options as it
+        holds them. A missing attribute is observed as ``None``."""
+        for name, module in self.model.named_modules():
+            if self.api.is_fsdp(module):
+                values = tuple((a, _unit_attribute(module, a)) for a in UNIT_ATTRIBUTES)
+                self._note(f"unit {name or '(root)'} attributes", values)
 
     def _note_default_settings(self) -> None:
         """The settings (configs included) each state-dict type gets when entered
@@ -513,6 +524,26 @@ class Run:
 
 
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+UNIT_ATTRIBUTES = (
+    "rank",
+    "world_size",
+    "process_group",
+    "_inter_node_pg",
+    "sharding_strategy",
+    "cpu_offload",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "mixed_precision",
+    "compute_device",
+)
+
+
+def _unit_attribute(unit: nn.Module, name: str) -> Any:
+    value = getattr(unit, name, None)
+    if isinstance(value, dist.ProcessGroup):
+        return ("group of ranks", tuple(dist.get_process_group_ranks(value)))
+    return value
 
 
 def _drop_parameter_hooks(model: nn.Module) -> None:
