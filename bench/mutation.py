@@ -63,7 +63,9 @@ cosmic-ray's operators work on parso's tree and can write a mutant that is not
 Python (``{**a, **b}``'s unpacking ``**`` taken for a power and replaced by
 ``&``). Such a mutant fails every gate at import, which says nothing about the
 gate: ``report`` compiles each mutant that ran and reports one that does not
-compile as ``incompetent``, outside the kill rate.
+compile as ``incompetent``, outside the kill rate, and ``prepare`` draws each
+file's mutants in a seeded order and keeps the first that compile (the run of
+2026-11-26 was sampled before this check: docs/mutation.md).
 
 [Note: Hangs]
 A mutant that makes a test hang (a rank waits in a collective its peers never
@@ -87,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import random
@@ -315,6 +318,7 @@ def prepare(args: argparse.Namespace) -> None:
     unobservable: dict[str, list[str]] = defaultdict(list)
     spans: dict[str, list[Span]] = {}
     stable: dict[str, tuple[str, int]] = {}  # job id -> (operator, occurrence): see the note
+    specs: dict[str, object] = {}
     with use_db(str(workdir / SESSION), WorkDB.Mode.open) as db:
         for item in db.work_items:
             m = item.mutations[0]
@@ -326,6 +330,7 @@ def prepare(args: argparse.Namespace) -> None:
             else:
                 by_file[f].append(item.job_id)
                 stable[item.job_id] = (m.operator_name, m.occurrence)
+                specs[item.job_id] = m
         db.set_multiple_results(
             [i for ids in unobservable.values() for i in ids],
             WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled: unobservable"),
@@ -335,7 +340,9 @@ def prepare(args: argparse.Namespace) -> None:
         chosen: set[str] = set()
         for f in sorted(by_file):
             ids = sorted(by_file[f], key=stable.__getitem__)
-            chosen.update(random.Random(f"{args.seed}:{f}").sample(ids, share[f]))
+            drawn = random.Random(f"{args.seed}:{f}").sample(ids, len(ids))
+            competent = (i for i in drawn if _compiles(workdir, specs[i]))
+            chosen.update(itertools.islice(competent, share[f]))
         index, count = (int(x) for x in args.shard.split("/"))
         order = sorted(chosen, key=lambda i: (_file_of(i, by_file), stable[i]))
         mine = {i for k, i in enumerate(order) if k % count == index}
