@@ -583,14 +583,23 @@ def _summarise(rows: list[dict], seconds: list[float], json_path: str | None) ->
     for r in rows:
         per_file[r["file"]][r["outcome"]] += 1
     total = Counter(r["outcome"] for r in rows)
-    ran = [r for r in rows if r["outcome"] != "pending"]
+    seen: set[tuple[str, str, int]] = set()
+    for r in rows:  # the same mutant drawn by two shards (see [Note: The sample]) counts once
+        key = (r["file"], r["operator"], r["occurrence"])
+        r["duplicate"] = key in seen and r["outcome"] != "pending"
+        if r["outcome"] != "pending":
+            seen.add(key)
+    ran = [r for r in rows if r["outcome"] != "pending" and not r["duplicate"]]
+    incompetent = [r for r in ran if r["outcome"] == "incompetent"]
     equivalent = [r for r in ran if (r.get("triage") or {}).get("verdict") == "equivalent"]
-    counted = [r for r in ran if r not in equivalent]
+    counted = [r for r in ran if r not in equivalent and r not in incompetent]
     killed = [r for r in counted if r.get("final", r["outcome"]) == "killed"]
     summary = {
         "outcomes": dict(total),
         "final": {
             "ran": len(ran),
+            "duplicates": sum(r["duplicate"] for r in rows),
+            "incompetent": len(incompetent),
             "equivalent": len(equivalent),
             "non_equivalent": len(counted),
             "killed": len(killed),
