@@ -452,7 +452,12 @@ def retest(args: argparse.Namespace) -> None:
         for r in _rows(Path(w).resolve())
         if (r["outcome"] in args.outcomes or ("deadline" in args.outcomes and r["deadline"]))
         and r["job_id"] not in args.skip
+        and (not args.only or any(r["job_id"].startswith(k) for k in args.only))
     ]
+    if args.only:  # in the order given
+        survivors.sort(
+            key=lambda r: next(i for i, k in enumerate(args.only) if r["job_id"].startswith(k))
+        )
     out = []
     for r in survivors:
         _run(["cosmic-ray", "apply", r["file"], r["operator"], str(r["occurrence"])], workdir)
@@ -660,6 +665,7 @@ def main() -> int:
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", default=None)
     t.add_argument("--skip", nargs="*", default=[], help="job ids not to retest (equivalent)")
+    t.add_argument("--only", nargs="*", default=[], help="job-id prefixes to retest, in order")
     t.add_argument(
         "--outcomes",
         nargs="+",
