@@ -67,6 +67,12 @@ compile as ``incompetent``, outside the kill rate, and ``prepare`` draws each
 file's mutants in a seeded order and keeps the first that compile (the run of
 2026-11-26 was sampled before this check: docs/mutation.md).
 
+The conformance search runs as a survey (``--conformance-survey``): every one
+of its derandomized scenarios runs and the test fails at the end if any failed,
+without shrinking. A mutant is killed by the same scenarios as without it (the
+drawn sequence does not depend on outcomes before the first failure), and a kill
+costs the budget's scenarios instead of a shrink (about 200 more scenarios).
+
 [Note: Hangs]
 A mutant that makes a test hang (a rank waits in a collective its peers never
 enter, a loop that never ends) is a real failure of the gate: every test has
@@ -393,6 +399,7 @@ def gate_command(files: list[str], scenarios: int, test_timeout: int) -> list[st
         sys.executable, "-m", "pytest", *conformance, *suites,
         "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
         f"--timeout={test_timeout}", f"--conformance-scenarios={scenarios}",
+        "--conformance-survey",
     ]  # fmt: skip
 
 
