@@ -144,8 +144,17 @@ AREA_SUITES: dict[str, list[str]] = {
         "suites/test_fsdp_dtensor_state_dict.py",
         "suites/test_fsdp_tp_integration.py",
     ],
-    "fsdp/_exec_order.py": ["suites/test_fsdp_exec_order.py"],
-    "fsdp/_flat_param.py": ["suites/test_flatten_params.py"],
+    # and the prefetch candidates it gives: the collective order of both prefetches
+    "fsdp/_exec_order.py": [
+        "suites/test_fsdp_exec_order.py",
+        "suites/test_collective_traces.py",
+        "suites/test_fsdp_backward_prefetch.py",
+    ],
+    # and the handle phases backward prefetch reads
+    "fsdp/_flat_param.py": [
+        "suites/test_flatten_params.py",
+        "suites/test_fsdp_backward_prefetch.py",
+    ],
     "fsdp/_grads.py": ["suites/test_grad_accumulation.py"],
     "fsdp/_ignored.py": ["suites/test_construction.py"],
     # and its checks of tensor-parallel (DTensor) parameters, and HSDP's groups
