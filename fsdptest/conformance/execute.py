@@ -495,6 +495,7 @@ class Run:
         FSDP = self.api.FSDP
         with FSDP.summon_full_params(self.model):
             self._note("full parameters", dict(self.model.named_parameters()))
+            self._op_EditParams(sc.EditParams())  # what a summon with its defaults writes back
         with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
             self._note("full state dict", self.model.state_dict())
         self._note_default_settings()
