@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdptest.conformance import scenario as sc
-from fsdptest.conformance.implementation import FsdpApi
+from fsdptest.conformance.implementation import FsdpApi, as_a_user_writes
 from fsdptest.conformance.nets import batch, build, materialize
 from fsdptest.conformance.observe import EXACT, Collectives, Observer, catching, first_difference
 
@@ -181,6 +181,7 @@ class Run:
             kwargs["param_init_fn"] = self._param_init_fn()
         self.model = self.api.FSDP(model, **kwargs)
         self._note("modules", self._structure())
+        self._note_units()
         self.optim = self._optimizer()
 
     def _fsdp_kwargs(self, model: nn.Module) -> dict[str, Any]:
@@ -203,7 +204,7 @@ class Run:
         elif ignored:
             kwargs["ignored_modules"] = ignored
         kwargs.update(self._groups())
-        return kwargs
+        return as_a_user_writes("FullyShardedDataParallel", kwargs)
 
     def _groups(self) -> dict[str, Any]:
         """The process groups or device mesh of the scenario (every rank creates every group)."""
@@ -347,7 +348,8 @@ class Run:
         self._contexts.append((name, context, previous))
 
     def _op_ClipGradNorm(self, op: sc.ClipGradNorm) -> None:
-        self._note("total norm", self.model.clip_grad_norm_(op.max_norm, op.norm_type))
+        options = as_a_user_writes("clip_grad_norm_", {"norm_type": op.norm_type})
+        self._note("total norm", self.model.clip_grad_norm_(op.max_norm, **options))
 
     def _op_SetStateDictType(self, op: sc.SetStateDictType) -> None:
         config, optim_config = self.api.configs(op.settings)
@@ -423,13 +425,15 @@ class Run:
         )
 
     def _op_EnterSummon(self, op: sc.EnterSummon) -> None:
+        options = {
+            "recurse": op.recurse,
+            "writeback": op.writeback,
+            "rank0_only": op.rank0_only,
+            "offload_to_cpu": op.offload_to_cpu,
+            "with_grads": op.with_grads,
+        }
         summon = self.api.FSDP.summon_full_params(
-            self.model,
-            recurse=op.recurse,
-            writeback=op.writeback,
-            rank0_only=op.rank0_only,
-            offload_to_cpu=op.offload_to_cpu,
-            with_grads=op.with_grads,
+            self.model, **as_a_user_writes("summon_full_params", options)
         )
         self._enter("summon_full_params", summon)
 
@@ -479,7 +483,8 @@ class Run:
 
     def _op_FsdpModules(self, op: sc.FsdpModules) -> None:
         names = {id(m): name for name, m in self.model.named_modules()}
-        found = self.api.FSDP.fsdp_modules(self.model, root_only=op.root_only)
+        options = as_a_user_writes("fsdp_modules", {"root_only": op.root_only})
+        found = self.api.FSDP.fsdp_modules(self.model, **options)
         self._note("fsdp modules", tuple(names.get(id(m), "(not in the model)") for m in found))
 
     def _op_WrapAgain(self, op: sc.WrapAgain) -> None:
@@ -490,8 +495,56 @@ class Run:
         FSDP = self.api.FSDP
         with FSDP.summon_full_params(self.model):
             self._note("full parameters", dict(self.model.named_parameters()))
+            self._op_EditParams(sc.EditParams())  # what a summon with its defaults writes back
         with FSDP.state_dict_type(self.model, self.api.StateDictType.FULL_STATE_DICT):
             self._note("full state dict", self.model.state_dict())
+        self._note_default_settings()
+        self._note_units()
+
+    def _note_units(self) -> None:
+        """Every unit's instance attributes that torch's FSDP documents by use
+        (``UNIT_ATTRIBUTES``): its process groups by their ranks, its options as it
+        holds them. A missing attribute is observed as ``None``."""
+        for name, module in self.model.named_modules():
+            if self.api.is_fsdp(module):
+                values = tuple((a, _unit_attribute(module, a)) for a in UNIT_ATTRIBUTES)
+                self._note(f"unit {name or '(root)'} attributes", values)
+
+    def _note_default_settings(self) -> None:
+        """The settings (configs included) each state-dict type gets when entered
+        without configs: the configs' defaults and fields, which a program that
+        passes its own configs, or draws no such type, never shows."""
+        FSDP = self.api.FSDP
+        for kind in STATE_DICT_TYPES:
+            with catching() as caught:  # an exception is an observation, not the end
+                with FSDP.state_dict_type(self.model, self.api.StateDictType[kind]):
+                    settings = FSDP.get_state_dict_type(self.model)
+                    self._note(f"default settings of {kind}", settings)
+            if caught[0].error is not None:
+                self._note(f"default settings of {kind} raised", caught[0].error)
+
+
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+UNIT_ATTRIBUTES = (
+    "rank",
+    "world_size",
+    "process_group",
+    "_inter_node_pg",
+    "sharding_strategy",
+    "cpu_offload",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "mixed_precision",
+    "compute_device",
+)
+
+
+def _unit_attribute(unit: nn.Module, name: str) -> Any:
+    value = getattr(unit, name, None)
+    if isinstance(value, dist.ProcessGroup):
+        return ("group of ranks", tuple(dist.get_process_group_ranks(value)))
+    return value
 
 
 def _drop_parameter_hooks(model: nn.Module) -> None:

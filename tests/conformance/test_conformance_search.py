@@ -306,3 +306,37 @@ def test_drawn_scenarios_are_valid_plain_data(world_size: int) -> None:
     target = Target("fsdp", "torch.distributed.fsdp", "cpu", world_size)
     chosen = settings(max_examples=60, stateful_step_count=15, database=None, deadline=None)
     run_state_machine_as_test(machine_for(target, _valid), settings=chosen)
+
+
+def test_arguments_left_out_are_at_torch_documented_defaults() -> None:
+    """The search leaves out an argument at its documented default ([Note: Calls
+    as a user writes them] in fsdptest.conformance.implementation); the table it
+    reads is torch's signatures' defaults (FSDP's ``sharding_strategy=None`` is
+    documented as FULL_SHARD), so a change in torch fails here."""
+    import dataclasses
+    import enum
+    import inspect
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    from fsdptest.conformance.implementation import DEFAULTS
+
+    FSDP = torch_fsdp.FullyShardedDataParallel
+    callables = {
+        "FullyShardedDataParallel": FSDP.__init__,
+        "summon_full_params": FSDP.summon_full_params,
+        "clip_grad_norm_": FSDP.clip_grad_norm_,
+        "fsdp_modules": FSDP.fsdp_modules,
+    }
+    for name, table in DEFAULTS.items():
+        if name in callables:
+            params = inspect.signature(callables[name]).parameters
+            actual = {k: params[k].default for k in table}
+        else:
+            fields = {f.name: f.default for f in dataclasses.fields(getattr(torch_fsdp, name))}
+            actual = {k: fields[k] for k in table}
+        if name == "FullyShardedDataParallel":
+            assert actual.pop("sharding_strategy") is None
+            table = {k: v for k, v in table.items() if k != "sharding_strategy"}
+        actual = {k: v.name if isinstance(v, enum.Enum) else v for k, v in actual.items()}
+        assert actual == table, name
