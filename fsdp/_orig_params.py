@@ -77,7 +77,10 @@ def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> 
     """See [Note: Setting the original names]."""
     if safe:
         if _parameter_in_place(module, name):
-            module._parameters[name] = param  # as register_parameter would, order kept
+            # As delattr then register_parameter would: the name moves to the end
+            # of the dict, so named_parameters() and state_dict() order as torch's.
+            del module._parameters[name]
+            module._parameters[name] = param
         else:
             _safe_setattr(module, name, param)
         return
@@ -121,9 +124,7 @@ def _plain_module_attribute(module: nn.Module, name: str) -> bool:
 def _parameter_in_place(module: nn.Module, name: str) -> bool:
     """Whether ``delattr`` then ``setattr`` of an ``nn.Parameter`` under
     ``name`` would only replace the entry of ``_parameters`` that holds the
-    name now (only ``nn.Module``'s own code, no registration hook). The entry
-    keeps its place in the dict: after the first showing, every later one
-    re-registers the unit's names in the order they already have."""
+    name now (only ``nn.Module``'s own code, no registration hook)."""
     return (
         name in module._parameters
         and not _PARAMETER_REGISTRATION_HOOKS
