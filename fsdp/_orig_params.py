@@ -32,8 +32,9 @@ pointer with what was last shown, which is all that is needed when nothing
 changed; only a mismatch takes the full comparison. Showing a plain tensor (a view
 or a placeholder) under a name where ``delattr`` and ``setattr`` would run
 only ``nn.Module``'s own code writes the module's dicts as that code would,
-without its checks (about ten times cheaper); a class that overrides either,
-or a ``Parameter``, still goes through ``setattr``.
+without its checks (about ten times cheaper), names moving to the end of their
+dicts as they would; a class that overrides either, or a registration hook,
+still goes through ``setattr``.
 
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
@@ -76,9 +77,9 @@ class ViewMode(enum.Enum):
 def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
     """See [Note: Setting the original names]."""
     if safe:
-        if _parameter_in_place(module, name):
-            # As delattr then register_parameter would: the name moves to the end
-            # of the dict, so named_parameters() and state_dict() order as torch's.
+        if _parameter_registered(module, name):
+            # delattr then setattr: the name moves to the end of ``_parameters``
+            # (the order of ``named_parameters()`` and of state dicts follows).
             del module._parameters[name]
             module._parameters[name] = param
         else:
@@ -121,10 +122,10 @@ def _plain_module_attribute(module: nn.Module, name: str) -> bool:
     )
 
 
-def _parameter_in_place(module: nn.Module, name: str) -> bool:
+def _parameter_registered(module: nn.Module, name: str) -> bool:
     """Whether ``delattr`` then ``setattr`` of an ``nn.Parameter`` under
-    ``name`` would only replace the entry of ``_parameters`` that holds the
-    name now (only ``nn.Module``'s own code, no registration hook)."""
+    ``name`` would only take the name out of ``_parameters`` and register it
+    again (only ``nn.Module``'s own code, no registration hook)."""
     return (
         name in module._parameters
         and not _PARAMETER_REGISTRATION_HOOKS
@@ -138,12 +139,15 @@ def _replace_tensor_attribute(module: nn.Module, name: str, value: Tensor) -> No
     plain tensor (see [Note: Cheap between-use bookkeeping]): the name leaves
     ``_parameters`` (or the buffers or submodules) and becomes an instance
     attribute."""
-    if module._parameters.pop(name, None) is None:
-        if name in module._buffers:
-            del module._buffers[name]
-            module._non_persistent_buffers_set.discard(name)
-        else:
-            module._modules.pop(name, None)
+    if name in module._parameters:
+        del module._parameters[name]
+    elif name in module._buffers:
+        del module._buffers[name]
+        module._non_persistent_buffers_set.discard(name)
+    elif name in module._modules:
+        del module._modules[name]
+    else:
+        del module.__dict__[name]  # object.__delattr__
     module.__dict__[name] = value
 
 
