@@ -171,11 +171,17 @@ class TestAllowedDifferences(FSDPTest):
     @pytest.mark.parametrize("name", sorted(PENDING_UNASKED_WITNESSES))
     def test_unasked_divergence_is_still_there(self, name: str) -> None:
         """The call ours is not asked still makes it differ from torch's."""
+        import torch.distributed as dist
+
         from fsdptest.conformance.check import run_both
 
         verdict = run_both(PENDING_UNASKED_WITNESSES[name], "local", "torch")
-        self.assertTrue(
-            verdict.left, f"{name}: ours no longer differs from torch's (fixed?): delete the entry"
+        differing = torch.tensor([len(verdict.left)], device=current_device())
+        dist.all_reduce(differing)  # on some rank: a sharded gradient differs on its owner only
+        self.assertGreater(
+            int(differing.item()),
+            0,
+            f"{name}: ours no longer differs from torch's (fixed?): delete the entry",
         )
 
 
