@@ -103,6 +103,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -592,7 +593,9 @@ def _compiles(workdir: Path, mutation: object) -> bool:
     operator = get_operator(m.operator_name)(**m.operator_args)  # type: ignore[attr-defined]
     code = mutate_code(source, operator, m.occurrence)  # type: ignore[attr-defined]
     try:
-        compile(code, path, "exec")
+        with warnings.catch_warnings():  # a mutant's `is` with a literal warns
+            warnings.simplefilter("ignore", SyntaxWarning)
+            compile(code, path, "exec")
     except SyntaxError:
         return False
     return True
