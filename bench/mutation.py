@@ -127,9 +127,9 @@ SHARD_GEOMETRY = {
     "fsdp/_dtensor_extensions.py",
     "fsdp/_flat_param.py",
     "fsdp/_layout.py",
-    "fsdp/_optim_state_dict.py",
     "fsdp/_shard_utils.py",
-    "fsdp/_state_dict.py",
+    "fsdp/_state_dict/optim_unit.py",
+    "fsdp/_state_dict/values.py",
     "fsdp/_storage.py",
     "fsdp/_unshard_params.py",
 }
@@ -165,17 +165,17 @@ AREA_SUITES: dict[str, list[str]] = {
         "suites/test_fsdp_hybrid_shard.py",
     ],
     "fsdp/_layout.py": ["suites/test_flatten_params.py"],
-    "fsdp/_optim_state_dict.py": [
-        "suites/test_state_dict_options.py",
-        "suites/test_fsdp_optim_state.py",
-    ],
     "fsdp/_orig_params.py": ["suites/test_use_orig_params.py"],
     "fsdp/_placeholder.py": ["suites/test_utils.py"],
     "fsdp/_registry.py": ["suites/test_utils.py"],
     "fsdp/_runtime.py": ["suites/test_fsdp_comm.py"],
     "fsdp/_shard_utils.py": ["suites/test_fsdp_dtensor_state_dict.py"],
-    "fsdp/_state_dict.py": ["suites/test_state_dict_options.py"],
     "fsdp/_storage.py": ["suites/test_flatten_params.py"],
+    # the unit's lifecycle, its post-backward hook and its gradient reduction
+    "fsdp/_backward_hook.py": ["suites/test_fsdp_comm.py", "suites/test_grad_accumulation.py"],
+    "fsdp/_lifecycle.py": ["suites/test_fsdp_comm.py"],
+    "fsdp/_unit_state.py": ["suites/test_fsdp_comm.py"],
+    "fsdp/_reduce.py": ["suites/test_fsdp_comm_hooks.py", "suites/test_grad_accumulation.py"],
     "fsdp/_streams.py": ["suites/test_fsdp_comm.py"],
     "fsdp/_unshard_params.py": ["suites/test_unshard_options.py"],
     "fsdp/_utils.py": ["suites/test_utils.py"],
@@ -185,6 +185,27 @@ AREA_SUITES: dict[str, list[str]] = {
     "fsdp/sharded_grad_scaler.py": ["suites/test_grad_scaler.py"],
     "fsdp/wrap.py": ["suites/test_wrap.py"],
 }
+# The state dicts and optimizer state dicts (the sub-package fsdp/_state_dict/).
+AREA_SUITES.update(
+    {
+        f"fsdp/_state_dict/{name}.py": ["suites/test_state_dict_options.py"]
+        for name in ("__init__", "hooks", "kinds", "keys", "settings")
+    }
+)
+AREA_SUITES["fsdp/_state_dict/values.py"] = [
+    "suites/test_state_dict_options.py",
+    "suites/test_fsdp_dtensor_state_dict.py",
+]
+AREA_SUITES.update(
+    {
+        f"fsdp/_state_dict/{name}.py": [
+            "suites/test_state_dict_options.py",
+            "suites/test_fsdp_optim_state.py",
+        ]
+        for name in ("optim_keys", "optim_unit", "optim_save", "optim_load", "optim_rekey")
+    }
+)
+AREA_SUITES["fsdp/_state_dict/deprecation.py"] = ["suites/test_fsdp_optim_state.py"]
 
 
 def _run(cmd: list[str], cwd: Path, **kwargs: object) -> subprocess.CompletedProcess:

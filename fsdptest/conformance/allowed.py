@@ -789,7 +789,7 @@ NORMALISED: dict[str, Normalised] = {
             "LOCAL_FLAT_PARAM_REQUIRES_GRAD",
             "the _flat_param ShardedTensor of a LOCAL_STATE_DICT (and its local shard) requires "
             "grad in torch's (a view of the flat parameter) and not in this project's FSDP, "
-            "deliberately ([Note: The three state-dict types] in fsdp/_state_dict.py: torch's "
+            "deliberately ([Note: The three state-dict types] in fsdp/_state_dict/kinds.py: torch's "
             "view, made under no_grad, is refused by a gloo gather in grad mode); its "
             "requires_grad is not compared",
             _flat_param_requires_grad,
