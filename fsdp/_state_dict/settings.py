@@ -105,7 +105,7 @@ def _share(states: list[FSDPState], old: StateDictSettings, new: StateDictSettin
     object) now holds ``new``: torch changes the one config object they share."""
     for state in states:
         if state.state_dict_settings is old:
-            state.state_dict_settings = new
+            state.set_state_dict_settings(new)
 
 
 class Settings(NamedTuple):
