@@ -108,6 +108,7 @@ def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager
         "plugin defines it.",
     )
     _add_runner_options(group)
+    _add_pool_options(group)
     if _loaded_by_a_conftest(pluginmanager):
         add_free_aliases(parser, pluginmanager)
 
@@ -149,6 +150,10 @@ def _add_runner_options(group: pytest.OptionGroup) -> None:
         "module.cuda(), device='cuda', .to('cuda')) to the rank's device, for tests "
         "written for GPUs. The map_cuda_to_cpu marker or ini value enables it too.",
     )
+
+
+def _add_pool_options(group: pytest.OptionGroup) -> None:
+    """How pools, their process groups and their GPUs are reused and watched."""
     group.addoption(
         "--fresh-pool",
         action="store_true",
