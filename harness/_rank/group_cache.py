@@ -66,7 +66,6 @@ class GroupCache:
     def __init__(self) -> None:
         self._groups: dict[Hashable, list[object]] = {}
         self._handed: collections.Counter[Hashable] = collections.Counter()
-        self._originals: dict[str, Callable[..., Any]] = {}
 
     # -- installing -----------------------------------------------------------
 
@@ -78,7 +77,6 @@ class GroupCache:
             original = getattr(c10d, name, None)
             if original is None:
                 continue
-            self._originals[name] = original
             replacement = self._caching(name, original)
             for module in list(sys.modules.values()):
                 if getattr(module, "__name__", "").startswith("torch.distributed") and (
