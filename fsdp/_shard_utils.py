@@ -94,7 +94,7 @@ def sharded_tensor(
         layout=like.layout,
         requires_grad=False,
         memory_format=torch.contiguous_format,
-        pin_memory=False,
+        pin_memory=_pinned(like if local is None or local.numel() == 0 else local),
     )
     own = ShardMetadata(*pieces[rank], placement(global_ranks[rank], device, True))
     shards = [] if local is None or local.numel() == 0 else [Shard(local, own)]
@@ -103,6 +103,12 @@ def sharded_tensor(
         sharded_tensor_metadata=ShardedTensorMetadata(metadata, size, properties),
         process_group=group,
     )
+
+
+def _pinned(tensor: Tensor) -> bool:
+    """Whether ``tensor`` lives in pinned host memory (a CPU-offloaded shard on a GPU
+    machine): ShardedTensor checks its properties against the local shard's."""
+    return tensor.device.type == "cpu" and tensor.is_pinned()
 
 
 def chunk_sharded_tensor(tensor: Tensor, rank: int, world_size: int, group: Any) -> ShardedTensor:

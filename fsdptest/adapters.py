@@ -168,6 +168,10 @@ class KnownDefects:
     unnamed_dtensor_parameter_error: bool = False
     """A DTensor parameter is refused deep inside flattening, unnamed
     (suites/test_fsdp_tp_integration.py)."""
+    local_state_dict_offload_on_accelerator: bool = False
+    """LOCAL_STATE_DICT with offload_to_cpu=True raises on accelerator ranks
+    (ShardedTensor.cpu() under no_grad; fsdptest.limitations,
+    suites/test_state_dict_options.py)."""
     flatten_keeps_unwrapped_sharded_tensors: bool = False
     """flatten_sharded_optim_state_dict leaves states of parameters outside every
     unit as ShardedTensors (tests/fsdp/test_fsdp_features.py)."""

@@ -19,6 +19,13 @@
   ``use_orig_params=False`` under ``rank0_only``: rank 0 fails after the
   all-gather, the other ranks return an empty dict. Ours copies
   (``fsdp._storage``).
+- On accelerator ranks (the other way round): ``LOCAL_STATE_DICT`` with
+  ``LocalStateDictConfig(offload_to_cpu=True)`` raises
+  (``TORCH_LOCAL_OFFLOAD_ERROR``): the save hook calls ``ShardedTensor.cpu()``
+  under ``no_grad``, whose copies of the local shards do not require grad while
+  the metadata, taken from the flat parameter, says they do.
+  ``torch_local_offload_fails`` says where; ``assert_cannot_offload_local_state_dict``
+  asserts it.
 - ``sync_module_states=True`` refuses CPU parameters and buffers
   (``TORCH_SYNC_MODULE_STATES_ERROR``), whatever ``device_id`` says.
 """
@@ -27,7 +34,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdptest.api import ADAPTER, FSDP, FullStateDictConfig, StateDictType
+from fsdptest.api import (
+    ADAPTER,
+    FSDP,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    StateDictType,
+)
 from harness import current_device
 from harness.assertions import Assertions
 
@@ -35,6 +48,24 @@ TORCH_OFFLOAD_TO_CPU_ERROR = "out of bounds for storage of size 0"
 TORCH_SYNC_MODULE_STATES_ERROR = (
     "The module has CPU parameters or buffers when `sync_module_states=True`"
 )
+
+
+TORCH_LOCAL_OFFLOAD_ERROR = "Local shards' tensor requires_grad property is incompatible"
+
+
+def torch_local_offload_fails() -> bool:
+    """Whether a LOCAL_STATE_DICT with offload_to_cpu=True fails here (torch's FSDP
+    on accelerator ranks)."""
+    defect = ADAPTER.known_defects.local_state_dict_offload_on_accelerator
+    return defect and current_device().type != "cpu"
+
+
+def assert_cannot_offload_local_state_dict(case: Assertions, model: nn.Module) -> None:
+    """``model``'s LOCAL_STATE_DICT with offload_to_cpu=True raises torch's error."""
+    config = LocalStateDictConfig(offload_to_cpu=True)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, config):
+        with case.assertRaisesRegex(ValueError, TORCH_LOCAL_OFFLOAD_ERROR):
+            model.state_dict()
 
 
 def torch_on_cpu() -> bool:

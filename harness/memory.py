@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,6 +47,7 @@ class MemoryMeter:
     device: torch.device
     _profile: profile | None
     _cuda: dict[str, int]
+    _baseline: int  # CUDA: the requested bytes at measuring()'s entry
     _keys: list[str]
     _held: dict[str, int] | None
 
@@ -53,6 +55,7 @@ class MemoryMeter:
         self.device = device
         self._profile = None
         self._cuda = {}
+        self._baseline = 0
         self._keys = []
         self._held = None
 
@@ -60,6 +63,8 @@ class MemoryMeter:
     def measuring(self) -> Iterator[MemoryMeter]:
         """Measures from entry: CPU marks count the bytes allocated since then."""
         if self.device.type == "cuda":
+            gc.collect()
+            self._baseline = _settled_cuda_bytes(self.device)
             yield self
             return
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -73,7 +78,7 @@ class MemoryMeter:
         self._keys.append(key)
         gc.collect()
         if self.device.type == "cuda":
-            self._cuda[key] = _cuda_bytes_requested(self.device)
+            self._cuda[key] = _cuda_bytes_requested(self.device) - self._baseline
             return
         with record_function(_MARK + key):
             pass
@@ -185,6 +190,29 @@ def _cuda_bytes_requested(device: torch.device) -> int:
     torch.empty(1, device=device)  # processes the frees waiting on stream events
     stats = torch.cuda.memory_stats(device)
     return int(stats.get("requested_bytes.all.current", torch.cuda.memory_allocated(device)))
+
+
+def _settled_cuda_bytes(device: torch.device) -> int:
+    """[Note: A CUDA meter's baseline]
+    CUDA marks count, as CPU marks do, the bytes allocated since ``measuring()``
+    began and still held: a pooled rank may hold what earlier tests left (a
+    library's caches), which is not the measured code's. Some of it is freed
+    asynchronously: NCCL's watchdog thread drops the tensors it keeps for
+    collectives nobody waited on when it next polls (every 100 ms or so), so a
+    baseline read at once could be freed during the measured stretch and show
+    as negative bytes. The baseline is read once the count held still for
+    three polls 100 ms apart (at most 2 s)."""
+    last, steady = _cuda_bytes_requested(device), 0
+    for _ in range(_SETTLE_POLLS):
+        if steady == 3:
+            break
+        time.sleep(0.1)
+        now = _cuda_bytes_requested(device)
+        steady, last = (steady + 1 if now == last else 0), now
+    return last
+
+
+_SETTLE_POLLS = 20
 
 
 def _clear_cublas_workspaces() -> None:

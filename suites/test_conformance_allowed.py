@@ -458,6 +458,32 @@ class TestTorchLimitations(FSDPTest):
             self.assertEqual(full(target), expected, f"forward_first={forward_first}")
 
 
+class TestTorchLimitationsAnywhere(FSDPTest):
+    """Torch's FSDP (``torch.distributed.fsdp`` itself) where its behaviour depends on
+    the ranks' device: each test asserts both sides of the boundary."""
+
+    world_size = 2
+
+    def test_local_state_dict_offload(self) -> None:
+        """LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR: raises on accelerator ranks, saves
+        CPU local shards on CPU ranks."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        fsdp = torch_fsdp.FullyShardedDataParallel
+        module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).to(current_device())
+        model = fsdp(module, device_id=current_device())
+        model(torch.ones(2, 3, device=current_device())).sum().backward()
+        config = torch_fsdp.LocalStateDictConfig(offload_to_cpu=True)
+        with fsdp.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT, config):
+            if current_device().type != "cpu":
+                with self.assertRaisesRegex(ValueError, "requires_grad property is incompatible"):
+                    model.state_dict()
+                return
+            state_dict = model.state_dict()
+        for shard in state_dict["_flat_param"].local_shards():
+            self.assertEqual(shard.tensor.device, torch.device("cpu"))
+
+
 class TestRecorder(FSDPTest):
     """The recorder sees the collectives torch issues outside ``torch.distributed``'s
     public names ([Note: Collectives as observed])."""

@@ -61,7 +61,9 @@ from fsdptest.api import (
 from fsdptest.limitations import (
     TORCH_OFFLOAD_TO_CPU_ERROR,
     assert_cannot_offload_full_state_dict,
+    assert_cannot_offload_local_state_dict,
     assert_cannot_sync_module_states,
+    torch_local_offload_fails,
     torch_on_cpu,
 )
 from harness import current_device
@@ -180,7 +182,13 @@ class _StateDictOptions(FSDPTest):
         self, sharded: bool, kind: StateDictType, offload: bool
     ) -> bool:
         """Asserts torch's failure where it applies (a sharded unit's full state
-        dict offloaded to the CPU on a CPU-only run); returns whether it did."""
+        dict offloaded to the CPU on a CPU-only run, its local state dict offloaded
+        on accelerator ranks); returns whether it did."""
+        local = kind is StateDictType.LOCAL_STATE_DICT
+        if local and sharded and offload and torch_local_offload_fails():
+            model = _wrap(_model(seed=1), ShardingStrategy.FULL_SHARD, False, nested=True)
+            assert_cannot_offload_local_state_dict(self, model)
+            return True
         if not (torch_on_cpu() and sharded and kind is StateDictType.FULL_STATE_DICT and offload):
             return False
         assert_cannot_offload_full_state_dict(self, self.rank)
@@ -468,6 +476,9 @@ class TestStateDictBuffers(FSDPTest):
         shard only)."""
         model = FSDP(BufferedLinear().to(self.device), mixed_precision=_fp16_buffers())
         model(torch.ones(2, 4, device=self.device)).sum().backward()
+        if torch_local_offload_fails():
+            assert_cannot_offload_local_state_dict(self, model)
+            return
         config = LocalStateDictConfig(offload_to_cpu=True)
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, config):
             state_dict = model.state_dict()

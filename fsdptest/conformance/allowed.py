@@ -259,6 +259,18 @@ UNASKED = _entries(
         "suites/test_conformance_allowed.py::TestTorchLimitations::"
         "test_local_load_keeps_a_stale_unsharded_parameter",
     ),
+    Unasked(
+        "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
+        "LOCAL_STATE_DICT with LocalStateDictConfig(offload_to_cpu=True) on accelerator ranks: "
+        "torch's save hook calls ShardedTensor.cpu() under no_grad, whose CPU copies of the "
+        "local shards do not require grad while the metadata (from the flat parameter) says "
+        "they do, and ShardedTensor refuses them ('Local shards' tensor requires_grad property "
+        "is incompatible with tensor property'); on CPU ranks .cpu() returns the shard itself "
+        "and the save works. No scenario on accelerator ranks saves a LOCAL_STATE_DICT with "
+        "offload_to_cpu when either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitationsAnywhere::"
+        "test_local_state_dict_offload",
+    ),
 )
 
 
@@ -267,6 +279,7 @@ _ACCELERATOR_ONLY = (
     "SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR",
     "SYNC_MODULE_STATES_WITHOUT_ACCELERATOR",
 )
+_ACCELERATOR_DEFECTS = ("LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +297,9 @@ class Target:
         if name in _ACCELERATOR_ONLY:
             torch_side = TORCH in (self.impl, self.reference)
             return not (torch_side and self.device_type == "cpu")
+        if name in _ACCELERATOR_DEFECTS:
+            torch_side = TORCH in (self.impl, self.reference)
+            return not (torch_side and self.device_type != "cpu")
         entry = UNASKED.get(name) or PENDING_UNASKED[name]
         return not entry.applies(self.impl, self.reference)
 
@@ -297,9 +313,13 @@ class Target:
         return self.asks("SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR")
 
     def fit_settings(self, settings: Settings, setup: Setup) -> Settings:
-        """A full state dict offloads by summoning with offload_to_cpu; the private
+        """A full state dict offloads by summoning with offload_to_cpu (and torch's local
+        one fails to offload on accelerators); the private
         ``_use_dtensor`` is set by users only with a device mesh."""
         if settings.kind is StateDictKind.FULL and not self.may_summon_offload():
+            settings = dataclasses.replace(settings, offload_to_cpu=False)
+        local_offload = settings.kind is StateDictKind.LOCAL and settings.offload_to_cpu
+        if local_offload and not self.asks("LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR"):
             settings = dataclasses.replace(settings, offload_to_cpu=False)
         if settings.dtensor and not setup.mesh and not self.asks("USE_DTENSOR_WITHOUT_DEVICE_MESH"):
             settings = dataclasses.replace(settings, dtensor=False)

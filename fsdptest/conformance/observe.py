@@ -408,6 +408,19 @@ def _functional_group_ranks(group: Any) -> tuple[int, ...]:
 # -- warnings and exceptions ------------------------------------------------------------------------
 
 
+def error_text(exc: BaseException) -> str:
+    """An exception's message. [Note: Messages raised in pieces]: torch 2.11 raises
+    some errors with the message's sentences as separate arguments
+    (``RuntimeError("Found ... LOCAL_STATE_DICT. ", "DeviceMesh is not ...", ...)``),
+    which ``str()`` shows as a tuple; torch 2.13 joins them into one string. The
+    text compared is the arguments joined (with a space where a piece does not end
+    in one), so that one FSDP is compared with either torch by what it says."""
+    pieces = exc.args
+    if len(pieces) > 1 and all(isinstance(p, str) for p in pieces):
+        return "".join(p if p.endswith(" ") else p + " " for p in pieces[:-1]) + pieces[-1]
+    return str(exc)
+
+
 class Caught(NamedTuple):
     warnings: tuple[tuple[str, str], ...]
     error: tuple[str, str] | None
@@ -426,7 +439,7 @@ def catching() -> Iterator[list[Caught]]:
         try:
             yield result
         except Exception as exc:  # every exception is an observation
-            error = (type(exc).__name__, message(str(exc)))
+            error = (type(exc).__name__, message(error_text(exc)))
     caught = tuple((w.category.__name__, message(str(w.message))) for w in seen)
     result.append(Caught(caught, error))
 

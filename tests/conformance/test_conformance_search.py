@@ -345,3 +345,19 @@ def test_arguments_left_out_are_at_torch_documented_defaults() -> None:
             table = {k: v for k, v in table.items() if k != "sharding_strategy"}
         actual = {k: v.name if isinstance(v, enum.Enum) else v for k, v in actual.items()}
         assert actual == table, name
+
+
+def test_an_error_raised_in_pieces_is_compared_by_what_it_says() -> None:
+    """torch 2.11 raises some errors with each sentence a separate argument, which
+    ``str()`` shows as a tuple: the observed message is the pieces joined, as
+    torch 2.13 (and this project's FSDP) write the same message in one string."""
+    from fsdptest.conformance.observe import catching
+
+    pieces = ("Found state_dict_type LOCAL_STATE_DICT.", "DeviceMesh is not compatible.")
+    for args in (pieces, (" ".join(pieces),)):
+        with catching() as caught:
+            raise RuntimeError(*args)
+        assert caught[0].error == ("RuntimeError", " ".join(pieces))
+    with catching() as caught:
+        raise KeyError("key")
+    assert caught[0].error == ("KeyError", "'key'")
