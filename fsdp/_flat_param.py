@@ -684,6 +684,6 @@ class FlatParamHandle:
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
         reduced = reduce_gradient(grad, self.reduce_dtype(), self._reduce_plan, hook)
-        self.grads.set_reduced(reduced, self.grad_dtype())
+        self.grads.set_reduced(reduced, self.grad_dtype(), self.storage.orig_dtype)
         if self.has_optim_in_backward:
             self._step_optimizers_in_backward()

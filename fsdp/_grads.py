@@ -19,6 +19,19 @@ stream) and calls ``set_reduced`` with the result; at the end of backward
 ``finish_backward`` exposes the reduced shard (plus what was set aside) as
 ``flat_param.grad``. Each step is checked against ``ReduceState``.
 
+[Note: Accumulating in full precision]
+A reduced gradient is added to the one set aside in the flat parameter's own
+(full-precision) dtype, and the sum is cast to the gradient dtype once. With
+``keep_low_precision_grads`` both addends are low precision (the one set
+aside in ``param_dtype``, the reduced one in ``reduce_dtype``); summing them in
+one of those dtypes rounds twice (the reduced gradient to the set-aside
+gradient's dtype, then the sum), an ulp off torch's in some elements, and a
+batch norm over nearly constant inputs turns such an ulp into a different
+output a few steps later. Torch casts the gradient set aside to the local
+shard's dtype before the backward (``FlatParamHandle.prepare_gradient_for_backward``:
+"FSDP should cast back to the full precision dtype so that FSDP can accumulate
+in that dtype") and the reduced one in ``_accumulate_sharded_grad``.
+
 [Note: A shard the size of the whole]
 A sharded gradient is usually told from an unsharded one by its shape. Not
 when the shard has the unsharded numel: a one-element flat parameter sharded
@@ -164,13 +177,15 @@ class FlatParamGrads:
             self.state = ReduceState.TAKEN
         return grad
 
-    def set_reduced(self, reduced: Tensor, grad_dtype: torch.dtype) -> None:
+    def set_reduced(self, reduced: Tensor, grad_dtype: torch.dtype, full: torch.dtype) -> None:
         """Takes the reduced shard (on the device, in the reduce dtype), adds what
-        was set aside and casts for the optimizer."""
+        was set aside (in ``full``, see [Note: Accumulating in full precision])
+        and casts for the optimizer."""
         assert self.state is ReduceState.TAKEN, self.state
         saved, self._saved_shard = self._saved_shard, None
         if saved is not None:
-            reduced = reduced.to(saved.dtype) + saved.to(reduced.device, non_blocking=True)
+            saved = saved.to(reduced.device, full, non_blocking=True)
+            reduced = reduced.to(full) + saved
         self._reduced = reduced.to(grad_dtype)
         self.state = ReduceState.REDUCED
 

@@ -93,20 +93,7 @@ PENDING_WITNESSES: dict[str, sc.Scenario] = {}
 
 # A scenario holding each call that is not drawn for ours.
 NET3 = sc.Net(vocab=0, width=2, blocks=tuple(B((L(K.LINEAR, 2),)) for _ in range(3)))
-# Two training steps of a bf16 model with fp16 reduction, keep_low_precision_grads and
-# use_orig_params (frozen layers, size-based wrapping), zero_grad, an optim_state_dict save,
-# zero_grad, a forward and a backward (``describe()`` prints it).
-OPTIM_SAVE_WITNESS = sc.Scenario.from_replay_id(
-    "eNqtUltuwjAQvArab6sqRa3aXAUha0k2xMKxrbVDCih3r51AQNBUCPUvzs7sPOwjtJZ1Ib06EGRvAjxR"
-    "Adl88fkqwFCA7Ag7m-MasoWAVhWhguxdwFrbfOshWx5B4554-NwqE8ngK-S4JaIUxkGJ2lO3EpBXShdM"
-    "ZoKmlSFkGGWiYMn2kPCBG-rEiDSWa7iZrtL8fukJeuXkjjfBXGPIq57-gPcL-C8tMZl1PuXiDjifdjz2"
-    "PiF6bfK2AwG2Ca4JceGiS88gNC5dfuNJWlYb6ZCx9gNBQK2-qZCOKVdeWZOQPUAWYe8oaZXaYph_RKno"
-    "qclpnFwGWyIntW0ve-SGsRhFcvRBlpZb5EIqM7gbMsUs-bb_H7klxVz9XRuKa7WqVZCotdxgqPqOTpfR"
-    "MrrUU3rsKYORpqnHZIuvuNe6VOkSDsS2dwPiGNv55cfJ2Pl4NvQ_Y-uCql98IPes_gMbPO5o1uNiITzz"
-    "AQM9HVcZ1P1h1f0AP9yCag=="
-)
 PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
-    "OPTIM_SAVE_WITH_LOW_PRECISION_ORIG_GRADS": OPTIM_SAVE_WITNESS,
     "FORWARD_PREFETCH_BACKWARD_ORDER": sc.Scenario(
         3,
         NET3,

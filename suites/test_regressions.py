@@ -139,6 +139,49 @@ class TestReductionDtype(FSDPTest):
         # 3 units on step 2, 2 on step 3 (one frozen), 3 on step 4
         self.assertEqual(len(reductions), 8)
 
+    def test_kept_low_precision_gradients_accumulate_in_full_precision(self) -> None:
+        """keep_low_precision_grads (bf16 params, fp16 reduction): a second
+        backward's reduced shard is added to the kept bf16 gradient in full
+        precision and rounded once, as torch's ``prepare_gradient_for_backward``
+        casts the kept gradient back; summing in bf16 rounds twice (the conformance
+        search saw the ulp grow, through a batch norm, into different outputs)."""
+        self.run_subtests(
+            {"sharding_strategy": list(SHARDED)}, self._check_low_precision_accumulation
+        )
+
+    def _check_low_precision_accumulation(self, sharding_strategy: ShardingStrategy) -> None:
+        mp = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float16, keep_low_precision_grads=True
+        )
+        model = _wrap(
+            _blocks(),
+            auto_wrap_policy=None,
+            mixed_precision=mp,
+            sharding_strategy=sharding_strategy,
+        )
+        reduced: list[torch.Tensor] = []
+
+        def hook(state: object, grad: torch.Tensor, output: torch.Tensor) -> None:
+            dist.reduce_scatter_tensor(output, grad.contiguous())
+            output.div_(self.world_size)
+            reduced.append(output.detach().clone())
+
+        model.register_comm_hook(None, hook)
+        (flat_param,) = model.parameters()
+        model(_input(self.rank, step=0)).sum().backward()
+        first = flat_param.grad.detach().clone()
+        model(_input(self.rank, step=1)).sum().backward()
+        self.assertEqual(
+            [t.dtype for t in (first, *reduced)], [torch.bfloat16] + 2 * [torch.float16]
+        )
+        once = (first.float() + reduced[1].float()).to(torch.bfloat16)
+        twice = first + reduced[1].to(torch.bfloat16)
+        self.assertEqual(flat_param.grad.dtype, torch.bfloat16)
+        self.assertEqual(flat_param.grad, once, rtol=0, atol=0)
+        differ = torch.tensor([int((once != twice).sum())], device=current_device())
+        dist.all_reduce(differ)
+        self.assertGreater(int(differ.item()), 0, "no element tells one rounding from two")
+
 
 class Gated(nn.Module):
     """The blocks of ``_blocks``; ``upto`` says how many of them a forward uses."""

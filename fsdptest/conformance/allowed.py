@@ -331,13 +331,6 @@ class Target:
             counts.remove(self.world_size)
         return counts
 
-    def may_save_optim_state(self, setup: Setup) -> bool:
-        precision = setup.mixed_precision
-        low_grads = precision is not None and precision.keep_low_precision_grads
-        return not (setup.use_orig_params and low_grads) or self.asks(
-            "OPTIM_SAVE_WITH_LOW_PRECISION_ORIG_GRADS"
-        )
-
     def fit(self, setup: Setup, net: Net) -> tuple[Setup, Net]:
         """The setup and model, changed where the reference is not asked."""
         if not setup.use_orig_params and not self.asks("ONE_ELEMENT_FLAT_PARAMETER"):
@@ -517,18 +510,6 @@ PENDING_UNASKED: dict[str, Unasked] = {
             "forward, or two synced microbatches), ours issues a reduce-scatter before an "
             "all-gather torch issues first (torch all-gathers every unit before the first "
             "reduce-scatter), also with backward_prefetch=None (C15)",
-            _UNASKED_WITNESS,
-            impls=(OURS,),
-            pending=True,
-        ),
-        Unasked(
-            "OPTIM_SAVE_WITH_LOW_PRECISION_ORIG_GRADS",
-            "use_orig_params=True with keep_low_precision_grads (bf16 params, fp16 reduction): "
-            "after two training steps, zero_grad(set_to_none=True), an optim_state_dict save and "
-            "zero_grad again, the next backward's gradients differ (ours' smaller, by about a "
-            "quarter); without the save, or without keep_low_precision_grads, both agree. Found "
-            "by the planted-bug searches (a real divergence their derandomized draws reach), "
-            "not yet decided which side is wrong; such setups do not save optimizer state",
             _UNASKED_WITNESS,
             impls=(OURS,),
             pending=True,

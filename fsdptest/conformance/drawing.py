@@ -406,7 +406,7 @@ class ProgramMachine(RuleBasedStateMachine):
 
     # -- optimizer state dicts --------------------------------------------------------------------
 
-    @precondition(lambda self: self._free() and self.TARGET.may_save_optim_state(self.setup))
+    @precondition(lambda self: self._free())
     @rule(api=st.sampled_from(list(sc.OptimApi)))
     def save_optim_state(self, api: sc.OptimApi) -> None:
         settings = self.settings
