@@ -28,7 +28,7 @@ from torch import nn
 from fsdptest import FSDPTest
 from fsdptest.conformance import allowed
 from fsdptest.conformance import scenario as sc
-from fsdptest.properties.examples import DType, Precision, Sharding, Wrap
+from fsdptest.properties.examples import DType, Precision, Sharding
 from harness import current_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,6 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
 PENDING_WITNESSES: dict[str, sc.Scenario] = {}
 
 # A scenario holding each call that is not drawn for ours.
-NET3 = sc.Net(vocab=0, width=2, blocks=tuple(B((L(K.LINEAR, 2),)) for _ in range(3)))
 # Two training steps of a bf16 model with fp16 reduction, keep_low_precision_grads and
 # use_orig_params (frozen layers, size-based wrapping), zero_grad, an optim_state_dict save,
 # zero_grad, a forward and a backward (``describe()`` prints it).
@@ -107,12 +106,6 @@ OPTIM_SAVE_WITNESS = sc.Scenario.from_replay_id(
 )
 PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
     "OPTIM_SAVE_WITH_LOW_PRECISION_ORIG_GRADS": OPTIM_SAVE_WITNESS,
-    "FORWARD_PREFETCH_BACKWARD_ORDER": sc.Scenario(
-        3,
-        NET3,
-        sc.Setup(wrap=Wrap.BLOCKS, forward_prefetch=True),
-        (sc.Forward(no_grad=True), sc.Forward(), sc.Backward(), sc.Final()),
-    ),
 }
 
 
