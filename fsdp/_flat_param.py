@@ -292,6 +292,16 @@ class FlatParamHandle:
             return self.storage.orig_dtype
         return self._reduce_dtype
 
+    def _reduced_grad_dtype(self, reduced: Tensor, hook: CommHookSpec | None) -> torch.dtype:
+        """``grad_dtype``, except after torch's low-precision hooks, which cast the
+        reduced gradient back themselves (to their state's ``parameter_type``):
+        torch then casts it no further, but for sharded strategies with
+        ``keep_low_precision_grads`` (``param_dtype`` for the optimizer)."""
+        casts_itself = hook is not None and hook.casts_itself
+        if casts_itself and not (self._keep_low_precision_grads and self.uses_sharded_strategy):
+            return reduced.dtype
+        return self.grad_dtype()
+
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients have when the optimizer sees them: the parameter's
         own, except with ``keep_low_precision_grads``, where sharded strategies
@@ -725,6 +735,6 @@ class FlatParamHandle:
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
         reduced = reduce_gradient(grad, self.reduce_dtype(), self._reduce_plan, hook)
-        self.grads.set_reduced(reduced, self.grad_dtype())
+        self.grads.set_reduced(reduced, self._reduced_grad_dtype(reduced, hook))
         if self.has_optim_in_backward:
             self._step_optimizers_in_backward()
