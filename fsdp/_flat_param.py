@@ -22,12 +22,31 @@ need a part use it directly (``handle.storage``, ``handle.views``,
 Its lifecycle is a ``UnitState`` (fsdp._unit_state), its post-backward hook a
 ``PostBackwardHook`` (fsdp._backward_hook).
 
-An all-gather issued ahead of the unit's own use (a prefetch) leaves the flat
-parameter sharded and the unshard's CUDA event with the unit; the unit's own
-unshard then finds the data ready and waits on it. ``prefetched`` (torch's
-``_prefetched``) says that such an unshard was issued since the last reshard,
-so that the unit is not chosen for another one; it is prefetch bookkeeping
-that any state may carry, not a step of the lifecycle.
+An all-gather issued ahead of the unit's own use (a backward prefetch, or
+``_unshard``) leaves the flat parameter sharded and the unshard's CUDA event
+with the unit; the unit's own unshard then finds the data ready and waits on
+it. ``prefetched`` (torch's ``_prefetched``) says that such an unshard was
+issued since the last reshard, so that the unit is not chosen for another one;
+it is prefetch bookkeeping that any state may carry, not a step of the
+lifecycle. A forward prefetch unshards in full instead (see [Note: Forward
+prefetch shows the views at once]).
+
+[Note: Forward prefetch shows the views at once]
+Torch's forward prefetch runs the prefetched unit's whole unshard as if in its
+forward: the flat parameter points at the gathered data and the module's
+``Tensor`` views of it are made right then, and the unit's own pre-forward
+(finding it prefetched) only waits for the all-gather. Autograd records those
+views when they are made, before the current unit's computation, and its CPU
+engine runs ready nodes newest first: in the backward, the views of a
+forward-prefetched unit (and with them its ``AccumulateGrad`` node, its
+post-backward hook and reduce-scatter) come after the backward of the unit
+that prefetched it. So with ``forward_prefetch=True`` torch's backward issues
+the next unit's prefetch all-gather before the reduce-scatter of the unit
+whose backward just ran. This unit does the same (``prefetch_for_forward``,
+``unshard_for_forward``), so both issue the same collectives in the same
+order; the views stay those of the prefetch until the unit's reshard (its
+post-forward), a root pre-forward with forward prefetch, or the end of the
+iteration.
 """
 
 from __future__ import annotations
@@ -102,6 +121,7 @@ class FlatParamHandle:
     grads: FlatParamGrads
     lifecycle: Lifecycle[UnitState]
     prefetched: bool
+    _forward_views_prefetched: bool  # see [Note: Forward prefetch shows the views at once]
     has_optim_in_backward: bool
     _sharding_strategy: HandleShardingStrategy
     _keep_low_precision_grads: bool
@@ -169,6 +189,7 @@ class FlatParamHandle:
         self.lifecycle = Lifecycle(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
         self.has_optim_in_backward = False
         self.prefetched = False
+        self._forward_views_prefetched = False
         self._streams = None
         self._unshard_event = None
         self.post_backward_hook = PostBackwardHook(self.flat_param)
@@ -271,6 +292,16 @@ class FlatParamHandle:
             return self.storage.orig_dtype
         return self._reduce_dtype
 
+    def _reduced_grad_dtype(self, reduced: Tensor, hook: CommHookSpec | None) -> torch.dtype:
+        """``grad_dtype``, except after torch's low-precision hooks, which cast the
+        reduced gradient back themselves (to their state's ``parameter_type``):
+        torch then casts it no further, but for sharded strategies with
+        ``keep_low_precision_grads`` (``param_dtype`` for the optimizer)."""
+        casts_itself = hook is not None and hook.casts_itself
+        if casts_itself and not (self._keep_low_precision_grads and self.uses_sharded_strategy):
+            return reduced.dtype
+        return self.grad_dtype()
+
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients have when the optimizer sees them: the parameter's
         own, except with ``keep_low_precision_grads``, where sharded strategies
@@ -326,7 +357,8 @@ class FlatParamHandle:
         unfreeze them at any time). Forward prefetch starts afresh."""
         if self._use_orig_params:
             self.flat_param.requires_grad_(any(p.requires_grad for p in self.views.params))
-        self.prefetched = self.prefetched and not forward_prefetch
+        if forward_prefetch:
+            self.prefetched = self._forward_views_prefetched = False
 
     # -- optimizers in backward ----------------------------------------------------------------
 
@@ -412,7 +444,7 @@ class FlatParamHandle:
             self._show_grads()
         self.post_backward_hook.remove()
         self.lifecycle.move(UnitState.IDLE)
-        self.prefetched = False
+        self.prefetched = self._forward_views_prefetched = False
         self.views.end_iteration()
 
     def begin_summon(self) -> None:
@@ -479,6 +511,25 @@ class FlatParamHandle:
         self.unshard()
         self.wait_for_unshard()
         self._use_unsharded_views(as_params=False)
+
+    def unshard_for_forward(self) -> None:
+        """The unit's pre-forward: after a forward prefetch only waits, keeping the
+        prefetch's views (see [Note: Forward prefetch shows the views at once])."""
+        if self._forward_views_prefetched:
+            self.wait_for_unshard()
+            return
+        self.unshard_for_compute()
+
+    def prefetch_for_forward(self, full_precision: bool) -> None:
+        """Forward prefetch: unshards now and shows forward's ``Tensor`` views (see
+        [Note: Forward prefetch shows the views at once]); also where the data is
+        at hand already (``NO_SHARD``, kept since forward), as torch's does."""
+        self.prefetched = True
+        self.storage.force_full_precision = full_precision
+        with profiler_label("FSDP::prefetch"):
+            self.unshard()
+        self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
+        self._forward_views_prefetched = True
 
     def unshard_ahead(self, full_precision: bool) -> torch.cuda.Event | None:
         """Starts the all-gather ahead of its use (a prefetch, or ``_unshard``);
@@ -604,7 +655,7 @@ class FlatParamHandle:
         if self._streams is not None and self._streams.is_cuda:
             self._streams.release(storage.buffers_freed_by_reshard(free_unsharded))
         forward_data = storage.reshard(free_unsharded)
-        self.prefetched = False
+        self.prefetched = self._forward_views_prefetched = False
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:
@@ -684,6 +735,8 @@ class FlatParamHandle:
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
         reduced = reduce_gradient(grad, self.reduce_dtype(), self._reduce_plan, hook)
-        self.grads.set_reduced(reduced, self.grad_dtype(), self.storage.orig_dtype)
+        self.grads.set_reduced(
+            reduced, self._reduced_grad_dtype(reduced, hook), self.storage.orig_dtype
+        )
         if self.has_optim_in_backward:
             self._step_optimizers_in_backward()

@@ -409,7 +409,7 @@ class FSDPState:
             self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
             handle.begin_forward(full_precision)
             self.root.exec_order.record_pre_forward(handle, self.module.training)
-            handle.unshard_for_compute()
+            handle.unshard_for_forward()
             if torch.is_grad_enabled():
                 self._register_post_backward_hook(handle)
                 if not handle.flat_param.requires_grad:
@@ -621,8 +621,13 @@ class FSDPState:
 
     def _prefetch_after(self, handle: FlatParamHandle) -> None:
         target = self._get_handle_to_prefetch(handle)
-        if target is not None:
-            self.root.state_of(target).unshard_ahead()
+        if target is None:
+            return
+        state = self.root.state_of(target)
+        if handle.training_state is HandleTrainingState.FORWARD:
+            target.prefetch_for_forward(state.full_precision_now())
+        else:
+            state.unshard_ahead()
 
     def unshard_ahead(self) -> torch.cuda.Event | None:
         """Starts this unit's all-gather ahead of its use (a prefetch, or

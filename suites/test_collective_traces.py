@@ -68,12 +68,13 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    """Root parameters 26 (inp, out); blocks 58 and 76: each unit shows by its numel."""
+    """Root parameters 26 (inp, out); blocks 58 and 76 (and 94 with a third
+    block of ``hidden`` 10): each unit shows by its numel."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: tuple[int, ...] = (6, 8)) -> None:
         super().__init__()
         self.inp = nn.Linear(3, 4)
-        self.blocks = nn.Sequential(_Block(6), _Block(8))
+        self.blocks = nn.Sequential(*(_Block(h) for h in hidden))
         self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +100,15 @@ def _debug_off() -> Iterator[None]:
 
 
 class _Traces(FSDPTest):
-    def _trace(self, microbatches: int = 1, **fsdp_kwargs: Any) -> str:
-        """The collectives of ``STEPS`` steps of ``_Net`` under ``FSDP(**fsdp_kwargs)``;
-        with ``microbatches`` > 1 all but the last run under ``no_sync()``."""
+    def _trace(
+        self, microbatches: int = 1, hidden: tuple[int, ...] = (6, 8), **fsdp_kwargs: Any
+    ) -> str:
+        """The collectives of ``STEPS`` steps of ``_Net(hidden)`` under
+        ``FSDP(**fsdp_kwargs)``; with ``microbatches`` > 1 all but the last run
+        under ``no_sync()``."""
         torch.manual_seed(0)
         model = FSDP(
-            _Net().to(self.device), auto_wrap_policy=ModuleWrapPolicy({_Block}), **fsdp_kwargs
+            _Net(hidden).to(self.device), auto_wrap_policy=ModuleWrapPolicy({_Block}), **fsdp_kwargs
         )
         lines: list[str] = []
         with _debug_off():
@@ -245,6 +249,47 @@ step 1 forward
 step 1 backward
   all_gather     float32    38 -> 76   group 2 stride 1
   all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+""",
+        )
+
+    def test_full_shard_forward_prefetch_three_blocks(self) -> None:
+        """Forward prefetch unshards the next unit in full, its views made in the
+        current unit's pre-forward: autograd runs their backward after the
+        current unit's, so once the first iteration has recorded the order (step
+        1), the backward gathers every block before the first reduce-scatter
+        (see [Note: Forward prefetch shows the views at once] in fsdp._flat_param)."""
+        trace = self._trace(
+            sharding_strategy=ShardingStrategy.FULL_SHARD, forward_prefetch=True, hidden=(6, 8, 10)
+        )
+        self.assertExpectedInline(
+            trace,
+            """\
+step 0 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    47 -> 94   group 2 stride 1
+step 0 backward
+  all_gather     float32    47 -> 94   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+  reduce_scatter float32    94 -> 47   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    76 -> 38   group 2 stride 1
+  reduce_scatter float32    58 -> 29   group 2 stride 1
+  reduce_scatter float32    26 -> 13   group 2 stride 1
+step 1 forward
+  all_gather     float32    13 -> 26   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    47 -> 94   group 2 stride 1
+step 1 backward
+  all_gather     float32    47 -> 94   group 2 stride 1
+  all_gather     float32    38 -> 76   group 2 stride 1
+  all_gather     float32    29 -> 58   group 2 stride 1
+  reduce_scatter float32    94 -> 47   group 2 stride 1
   reduce_scatter float32    76 -> 38   group 2 stride 1
   reduce_scatter float32    58 -> 29   group 2 stride 1
   reduce_scatter float32    26 -> 13   group 2 stride 1

@@ -28,7 +28,7 @@ from torch import nn
 from fsdptest import FSDPTest
 from fsdptest.conformance import allowed
 from fsdptest.conformance import scenario as sc
-from fsdptest.properties.examples import DType, Precision, Sharding, Wrap
+from fsdptest.properties.examples import DType, Precision, Sharding
 from harness import current_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,15 +92,7 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
 PENDING_WITNESSES: dict[str, sc.Scenario] = {}
 
 # A scenario holding each call that is not drawn for ours.
-NET3 = sc.Net(vocab=0, width=2, blocks=tuple(B((L(K.LINEAR, 2),)) for _ in range(3)))
-PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
-    "FORWARD_PREFETCH_BACKWARD_ORDER": sc.Scenario(
-        3,
-        NET3,
-        sc.Setup(wrap=Wrap.BLOCKS, forward_prefetch=True),
-        (sc.Forward(no_grad=True), sc.Forward(), sc.Backward(), sc.Final()),
-    ),
-}
+PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {}
 
 
 def _witnesses_at(world_size: int) -> list[str]:

@@ -368,6 +368,50 @@ class TestCommunicationHooks(FSDPTest):
         hook = default_hooks.bf16_compress_hook
         self._check_low_precision_hook(state, hook, sharding_strategy, torch.bfloat16, has_wrapping)
 
+    @parametrize("keep_low_precision_grads", [False, True])
+    @parametrize("sharding_strategy", SHARDING_STRATEGIES)
+    def test_low_precision_hook_with_mixed_precision(
+        self, sharding_strategy: ShardingStrategy, keep_low_precision_grads: bool
+    ) -> None:
+        """With param and reduce mixed precision, torch's low-precision hooks are
+        handed the gradient in the dtype backward produced it (``param_dtype``,
+        not cast to ``reduce_dtype``) and cast the reduced one back to their
+        state's ``parameter_type`` themselves; FSDP casts it no further but for
+        sharded strategies with ``keep_low_precision_grads`` (``param_dtype``)."""
+        precision = MixedPrecision(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float16,
+            keep_low_precision_grads=keep_low_precision_grads,
+        )
+        fsdp_model = self._init_model(
+            Net(has_wrapping=True, sharding_strategy=sharding_strategy, mixed_precision=precision),
+            sharding_strategy=sharding_strategy,
+            mixed_precision=precision,
+        )
+        state = default_hooks.LowPrecisionState(process_group=_default_group())
+        fsdp_model.register_comm_hook(state, default_hooks.fp16_compress_hook)
+        handed: list[tuple[torch.dtype, torch.dtype]] = []
+        low_precision_hook = default_hooks._low_precision_hook
+
+        def observed(prec: torch.dtype, *args: object) -> None:
+            handed.append((prec, args[1].dtype))  # type: ignore[attr-defined]
+            low_precision_hook(prec, *args)  # type: ignore[arg-type]
+
+        loss = fsdp_model(torch.rand(4, 8, device=self.device)).sum()
+        on_cpu = self.device.type == "cpu"
+        with mock.patch.object(default_hooks, "_low_precision_hook", observed):
+            with _cpu_record_stream() if on_cpu else contextlib.nullcontext():
+                loss.backward()
+        self.assertEqual(handed, [(torch.float16, torch.bfloat16)] * 3)  # one per unit
+        keeps_param_dtype = keep_low_precision_grads and sharding_strategy in (
+            ShardingStrategy.FULL_SHARD,
+            ShardingStrategy.SHARD_GRAD_OP,
+        )
+        expected = torch.bfloat16 if keeps_param_dtype else state.parameter_type
+        for name, param in fsdp_model.named_parameters():
+            self.assertIsNotNone(param.grad, name)
+            self.assertEqual(param.grad.dtype, expected, name)
+
 
 def _default_group() -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()

@@ -349,8 +349,6 @@ class Target:
             and not self.asks("OPTIM_STATE_DICT_ALIASES_STATES_WITH_ORIG_PARAMS")
         ):
             setup = dataclasses.replace(setup, optimizer=Optimizer.SGD)
-        if setup.forward_prefetch and not self.asks("FORWARD_PREFETCH_BACKWARD_ORDER"):
-            setup = dataclasses.replace(setup, forward_prefetch=False)
         if self._tied_low_precision(setup, net):
             precision = dataclasses.replace(setup.mixed_precision, keep_low_precision_grads=False)  # type: ignore[arg-type]
             setup = dataclasses.replace(setup, mixed_precision=precision)
@@ -496,26 +494,7 @@ def _pending(name: str, reason: str, rewrite: Rewrite) -> Normalised:
 
 PENDING: dict[str, Normalised] = {}  # none at present: every divergence found is fixed or reasoned
 
-_UNASKED_WITNESS = (
-    "suites/test_conformance_allowed.py::TestAllowedDifferences::"
-    "test_unasked_divergence_is_still_there"
-)
-
-PENDING_UNASKED: dict[str, Unasked] = {
-    entry.name: entry
-    for entry in (
-        Unasked(
-            "FORWARD_PREFETCH_BACKWARD_ORDER",
-            "forward_prefetch=True: in a backward after two forwards (a no_grad forward and a "
-            "forward, or two synced microbatches), ours issues a reduce-scatter before an "
-            "all-gather torch issues first (torch all-gathers every unit before the first "
-            "reduce-scatter), also with backward_prefetch=None (C15)",
-            _UNASKED_WITNESS,
-            impls=(OURS,),
-            pending=True,
-        ),
-    )
-}
+PENDING_UNASKED: dict[str, Unasked] = {}  # none at present: every divergence found is decided
 
 
 def normalisations(impl: str, reference: str) -> list[Normalised]:

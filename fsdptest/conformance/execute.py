@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +62,9 @@ class Trace(NamedTuple):
     implementation: str
     records: tuple[OpRecord, ...]
     ended: str  # "completed" or "stopped at op N by ExceptionType"
+
+
+LOW_PRECISION_HOOKS = (sc.HookKind.FP16_COMPRESS, sc.HookKind.BF16_COMPRESS)
 
 
 class HookState:
@@ -100,14 +103,14 @@ class Run:
         self._saved_optim: list[tuple[Any, Any, sc.Settings | None, sc.OptimApi, bool]] = []
         self._names: dict[int, str] = {}  # module id -> name in the unwrapped model
         self._attributes: list[tuple[str, nn.Module, str]] = []
-        self._hook_state: HookState | None = None
+        self._hook_state: Any = None  # what register_comm_hook was given
         self._settings = sc.Settings(configs=False)
 
     # -- the run -------------------------------------------------------------------------
 
     def trace(self) -> Trace:
         ended = "completed"
-        with Collectives() as collectives:
+        with Collectives() as collectives, self._low_precision_hooks_observed():
             try:
                 if not self._step(-1, "construct", self._construct, collectives):
                     ended = "stopped at construction"
@@ -448,6 +451,14 @@ class Run:
         self._note("returned the model", returned is self.model)
 
     def _op_RegisterCommHook(self, op: sc.RegisterCommHook) -> None:
+        if op.kind in LOW_PRECISION_HOOKS:
+            # as torch's docs and tests register them: the state of the unit's group
+            from torch.distributed.algorithms._comm_hooks import default_hooks
+
+            state = default_hooks.LowPrecisionState(process_group=self.model.process_group)
+            self._hook_state = state
+            self.model.register_comm_hook(state, getattr(default_hooks, op.kind.value))
+            return
         self._hook_state = HookState(dist.group.WORLD)
         hook = self._recording_hook if op.kind is sc.HookKind.RECORDING else self._local_hook
         self.model.register_comm_hook(self._hook_state, hook)
@@ -474,12 +485,55 @@ class Run:
             size = dist.get_world_size(state.process_group)
             output.copy_(grad.flatten().chunk(size)[dist.get_rank(state.process_group)])
 
-    def _note_hook(self, state: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
-        """The output shard is observed without values: it is empty memory to fill."""
+    @contextlib.contextmanager
+    def _low_precision_hooks_observed(self) -> Iterator[None]:
+        """While a scenario with one of torch's low-precision hooks runs, what the
+        hook is handed is observed (its dtype matters: torch hands these hooks
+        the gradient uncast), through ``default_hooks._low_precision_hook``, which
+        both hooks call by its module name: the registered hook stays torch's own
+        function, which both FSDPs recognise by identity or name. On CPU ranks
+        ``Tensor.record_stream`` is a no-op for CPU tensors meanwhile: the hooks'
+        ``_decompress`` records the low-precision gradient on
+        ``torch.cpu.current_stream()``, which CPU tensors reject whichever FSDP
+        calls the hook ([Note: Low-precision hooks on the CPU] in
+        ``suites/test_fsdp_comm_hooks.py``, which asserts that it still does);
+        recording only tells the CUDA caching allocator when memory may be reused."""
+        if not any(
+            isinstance(op, sc.RegisterCommHook) and op.kind in LOW_PRECISION_HOOKS
+            for op in self.scenario.ops
+        ):
+            yield
+            return
+        from torch.distributed.algorithms._comm_hooks import default_hooks
+
+        low_precision_hook = default_hooks._low_precision_hook
+        record_stream = torch.Tensor.record_stream
+
+        def observed(prec: torch.dtype, state: Any, grad: Any, output: Any) -> None:
+            self._note_hook(state, grad, output, prec)
+            low_precision_hook(prec, state, grad, output)
+
+        def record_unless_cpu(tensor: torch.Tensor, stream: Any) -> None:
+            if tensor.device.type != "cpu":
+                record_stream(tensor, stream)
+
+        default_hooks._low_precision_hook = observed
+        if self.device.type == "cpu":
+            torch.Tensor.record_stream = record_unless_cpu  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            default_hooks._low_precision_hook = low_precision_hook
+            torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+
+    def _note_hook(
+        self, state: Any, grad: torch.Tensor, output: torch.Tensor | None, prec: Any = None
+    ) -> None:
+        """The output shard is observed without values: it is empty memory to fill;
+        ``prec``: the dtype a low-precision hook compresses to."""
         shard = None if output is None else self.observe(output)._replace(values="to be written")
-        self._note(
-            "comm hook called with", (type(state).__name__, state is self._hook_state, grad, shard)
-        )
+        handed = (type(state).__name__, state is self._hook_state, grad, shard)
+        self._note("comm hook called with", handed if prec is None else (*handed, prec))
 
     def _op_FsdpModules(self, op: sc.FsdpModules) -> None:
         names = {id(m): name for name, m in self.model.named_modules()}

@@ -276,10 +276,15 @@ class OptimApi(enum.Enum):
 class HookKind(enum.Enum):
     """A communication hook: ``RECORDING`` records what it is handed and reduces
     (sums, then divides by the group size); ``LOCAL`` records it and keeps each
-    rank's own gradient (no communication)."""
+    rank's own gradient (no communication); ``FP16_COMPRESS`` and
+    ``BF16_COMPRESS`` are torch's low-precision hooks
+    (``torch.distributed.algorithms._comm_hooks.default_hooks``), registered
+    with a ``LowPrecisionState`` of the root's process group."""
 
     RECORDING = "recording"
     LOCAL = "local"
+    FP16_COMPRESS = "fp16_compress_hook"
+    BF16_COMPRESS = "bf16_compress_hook"
 
 
 class ApplyFn(enum.Enum):

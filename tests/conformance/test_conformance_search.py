@@ -299,7 +299,6 @@ def _valid(scenario: sc.Scenario) -> None:
         assert setup.replicas < scenario.world_size  # torch: a one-rank shard group
     if any(isinstance(op, sc.WrapAgain) for op in scenario.ops):
         assert setup.mixed_precision is None  # torch's FSDP(FSDP(m)) with mixed precision fails
-    assert not setup.forward_prefetch  # pending for ours (FORWARD_PREFETCH_BACKWARD_ORDER)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
