@@ -44,8 +44,8 @@ class Normalised:
 
 def _unreadable_attribute(op: str, key: str, value: Any) -> tuple[str, Any]:
     if key.startswith("attribute ") and isinstance(value, TensorView) and value.kind == "Tensor":
-        if value.values is not None or value.dtype is not None:
-            return key, value._replace(values=None, dtype=None)
+        if value.values is not None or value.dtype is not None or value.device:
+            return key, value._replace(values=None, dtype=None, device="")
     return key, value
 
 
@@ -246,8 +246,10 @@ NORMALISED: dict[str, Normalised] = {
             "forward, backward and summons; outside, torch leaves a view of whichever unsharded "
             "copy it used last (freed storage, low precision after a mixed-precision forward; "
             "reading it reads freed memory), this project's FSDP a full-precision placeholder "
-            "that raises when read, or a view that still holds data. Their values and dtype are "
-            "not compared; kind, shape, device and requires_grad are",
+            "that raises when read, or a view that still holds data. With parameters offloaded "
+            "(accelerator ranks) torch's stays a view of the flat parameter on the device it "
+            "was built on, ours is on the CPU, where the parameter is. Their values, dtype and "
+            "device are not compared; kind, shape and requires_grad are",
             _unreadable_attribute,
             references=(TORCH, OURS),
         ),

@@ -283,7 +283,7 @@ class Lockstep:
         where = f"[state dict] after step {index}, {kind.name}"
         before = self.full_parameters()
         with FSDP.state_dict_type(self.fsdp, kind):
-            saved = copy.deepcopy(self.fsdp.state_dict())
+            saved = saved_copy(self.fsdp.state_dict())
         if kind is StateDictType.FULL_STATE_DICT:
             self._equal_state(saved, inner_model(self.reference).state_dict(), where)
         _zero_parameters(self.fsdp)
@@ -437,3 +437,33 @@ def _zero_parameters(model: nn.Module) -> None:
 def check_example(case: Assertions, example: Example) -> None:
     """Trains ``example`` under FSDP and its reference and checks every property."""
     Lockstep(case, example, dist.get_rank()).run()
+
+
+def saved_copy(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` as a checkpoint holds it: every tensor cloned, a
+    ShardedTensor rebuilt from clones of its local shards. ``copy.deepcopy`` of a
+    ShardedTensor whose local shards live in pinned memory (a LOCAL_STATE_DICT of
+    CPU-offloaded units on accelerator ranks, both FSDPs) fails: the copies are
+    not pinned and ShardedTensor checks them against its metadata; clones here
+    keep the pinning."""
+    return {key: _saved_value(value) for key, value in state_dict.items()}
+
+
+def _saved_value(value: Any) -> Any:
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(_clone(s.tensor), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, sharded_tensor_metadata=value.metadata(), process_group=value._process_group
+        )
+    if type(value) in (torch.Tensor, nn.Parameter):
+        return _clone(value)
+    return copy.deepcopy(value)  # DTensors and the rest
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    clone = tensor.detach().clone()
+    if tensor.device.type == "cpu" and tensor.is_pinned():
+        clone = clone.pin_memory()
+    return clone.requires_grad_(tensor.requires_grad)
