@@ -254,23 +254,19 @@ class ProgramMachine(RuleBasedStateMachine):
         microbatches=st.lists(st.booleans(), min_size=1, max_size=3),
         set_to_none=st.sampled_from(ZERO_GRADS),
         clip=st.none() | st.tuples(st.sampled_from(MAX_NORMS), st.sampled_from(NORMS)),
-        checkpoint=st.sampled_from([None, *sc.OptimApi]),
     )
     def train_step(
         self,
         microbatches: list[bool],
         set_to_none: bool | None,
         clip: tuple[float, float] | None,
-        checkpoint: sc.OptimApi | None,
     ) -> None:
         """Maybe ``zero_grad`` (``set_to_none`` None: the gradients of the last step
         accumulate), forward and backward per microbatch (``True``: under
         ``no_sync``, the last one synced), maybe ``clip_grad_norm_``, ``step``.
         A step without ``zero_grad`` comes first in ``ZERO_GRADS``: shrinking
         turns steps into their three calls (a program that needs two steps is
-        then 7 calls long, with 8 it would be 9). ``checkpoint``: then save the
-        optimizer state by that API and train one more step (see [Note: Rules of
-        their own for what few scenarios reach])."""
+        then 7 calls long, with 8 it would be 9)."""
         may_no_sync = self.TARGET.may_accumulate(self.setup, self.net) and not self._in("no_sync")
         if self._hook_needs_fresh_gradients():
             microbatches, set_to_none = microbatches[:1], True
@@ -292,16 +288,16 @@ class ProgramMachine(RuleBasedStateMachine):
         if clip is not None:
             self._clip(*clip)
         self._add(sc.OptimStep())
-        if checkpoint is not None and self.TARGET.may_save_optim_state(self.setup):
-            self._checkpoint(checkpoint)
 
-    def _checkpoint(self, api: sc.OptimApi) -> None:
-        """The optimizer state saved between two steps: the next step's forward,
-        backward and ``step`` (from no gradient where a hook needs it)."""
+    @precondition(lambda self: self._free() and self.TARGET.may_save_optim_state(self.setup))
+    @rule(api=st.sampled_from(list(sc.OptimApi)))
+    def checkpoint_between_steps(self, api: sc.OptimApi) -> None:
+        """A training step, the optimizer state saved, the next step (which must
+        not change what was saved; see [Note: Rules of their own for what few
+        scenarios reach])."""
+        self.train_step([False], None, None)
         self._save_optim(api)
-        if self._hook_needs_fresh_gradients():
-            self._add(sc.ZeroGrad(set_to_none=True))
-        self._add(sc.Forward(), sc.Backward(), sc.OptimStep())
+        self.train_step([False], None, None)
 
     def _hook_needs_fresh_gradients(self) -> bool:
         return self.hooked and not self.TARGET.may_accumulate_hooked(self.setup)
@@ -528,10 +524,9 @@ class ProgramMachine(RuleBasedStateMachine):
     # setup that allows it, is reached by a few programs in a hundred or none.
     # The summons that edit parameters (what writeback keeps) and that read
     # gradients (use_orig_params only, no frozen parameters, no low-precision
-    # gradients) are rules of their own, each a whole ``with`` block, and a
-    # training step may end with an optimizer checkpoint and the next step
-    # (which must not change what was saved: two steps and a save between
-    # them would otherwise need the training rule twice). ``enter_summon`` and ``edit_parameters`` still
+    # gradients) are rules of their own, each a whole ``with`` block, and so is
+    # an optimizer checkpoint between two training steps (the second must not
+    # change what was saved; as two rules in order, drawn by few programs). ``enter_summon`` and ``edit_parameters`` still
     # draw any summon and edits inside it.
 
     @precondition(lambda self: self._free())
