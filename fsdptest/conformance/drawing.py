@@ -522,12 +522,14 @@ class ProgramMachine(RuleBasedStateMachine):
     # testing) and picks among the enabled ones uniformly, so a behaviour that
     # needs two rules in order, or one option of a rule among several and a
     # setup that allows it, is reached by a few programs in a hundred or none.
-    # The summons that edit parameters (what writeback keeps) and that read
-    # gradients (use_orig_params only, no frozen parameters, no low-precision
-    # gradients) are rules of their own, each a whole ``with`` block, and so is
-    # an optimizer checkpoint between two training steps (the second must not
-    # change what was saved; as two rules in order, drawn by few programs). ``enter_summon`` and ``edit_parameters`` still
-    # draw any summon and edits inside it.
+    # Three such behaviours are rules of their own, each a whole block: a
+    # summon with writeback=False whose edit is discarded (``edit_summoned``),
+    # a summon that reads gradients (``summon_gradients``: use_orig_params
+    # only, no frozen parameters, no kept low-precision gradients) and an
+    # optimizer checkpoint between two training steps, the second of which
+    # must not change what was saved (``checkpoint_between_steps``).
+    # ``enter_summon``, ``edit_parameters``, ``save_optim_state`` and
+    # ``train_step`` still draw every other combination.
 
     @precondition(lambda self: self._free())
     @rule(recurse=st.booleans().map(lambda b: not b), offload_to_cpu=st.booleans())
