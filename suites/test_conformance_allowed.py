@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fsdptest import FSDPTest
+from fsdptest._constants import TORCH_CPU_OFFLOAD_ERROR
 from fsdptest.conformance import allowed
 from fsdptest.conformance import scenario as sc
 from fsdptest.properties.examples import DType, Precision, Sharding
@@ -461,6 +462,28 @@ class TestTorchLimitationsAnywhere(FSDPTest):
             state_dict = model.state_dict()
         for shard in state_dict["_flat_param"].local_shards():
             self.assertEqual(shard.tensor.device, torch.device("cpu"))
+
+    def test_offloaded_orig_params_before_backward(self) -> None:
+        """OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS: after a forward, the parameters of
+        the rank's shard have zero gradients on accelerator ranks; on CPU ranks torch
+        cannot offload (it fails when first used)."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).to(current_device())
+        model = torch_fsdp.FullyShardedDataParallel(
+            module,
+            device_id=current_device(),
+            use_orig_params=True,
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=True),
+        )
+        batch = torch.ones(2, 2, device=current_device())
+        if current_device().type == "cpu":
+            with self.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
+                model(batch)
+            return
+        model(batch)
+        grads = [p.grad for p in model.parameters() if p.numel() > 0]
+        self.assertTrue(grads and all(g is not None and not g.any() for g in grads), grads)
 
 
 class TestRecorder(FSDPTest):
