@@ -150,8 +150,13 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _inter_node_pg(self) -> Any:
-        """The replicate group of hybrid sharding (None otherwise)."""
-        return self._state.replicate_group
+        """The replicate group of hybrid sharding. A unit that is not hybrid has
+        none: the name is then looked up on the wrapped module (``__getattr__``), as
+        for torch's, whose attribute exists on hybrid units only."""
+        group = self._state.replicate_group
+        if group is None:
+            raise AttributeError("_inter_node_pg")
+        return group
 
     def check_is_root(self) -> bool:
         """Whether this unit is the root of its tree (initialises the tree lazily)."""
