@@ -554,6 +554,11 @@ class Run:
             self._note("full state dict", self.model.state_dict())
         self._note_default_settings()
         self._note_units()
+        if self._saved_optim and self.optim is not None:
+            # one more optimizer step: whether the optimizer state dicts saved before
+            # it change with it (observed after every op), for programs that saved
+            # last (the gradients there, if any, are stepped on)
+            self.optim.step()
 
     def _note_units(self) -> None:
         """Every unit's instance attributes that torch's FSDP documents by use
