@@ -275,12 +275,16 @@ class ProgramMachine(RuleBasedStateMachine):
         if self._hook_needs_fresh_gradients():
             microbatches, set_to_none = microbatches[:1], True
         windowed_any = may_no_sync and any(microbatches[:-1])
-        if windowed_any and not self.TARGET.may_no_sync_onto_gradient(self.setup):
+        onto_gradient = self.TARGET.may_no_sync_onto_gradient(self.setup)
+        if windowed_any and not onto_gradient:
             set_to_none = True
         if set_to_none is not None:
             self._add(sc.ZeroGrad(set_to_none=set_to_none))
+        synced = False  # a synced backward of this step ran: a window then starts onto its gradient
         for i, no_sync in enumerate(microbatches):
             windowed = may_no_sync and no_sync and i < len(microbatches) - 1
+            windowed = windowed and (onto_gradient or not synced)
+            synced = synced or not windowed
             if windowed:
                 self._add(sc.EnterNoSync())
             self._add(sc.Forward(), sc.Backward())
