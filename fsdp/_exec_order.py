@@ -18,6 +18,32 @@ A candidate is prefetched only if it still needs its unshard in this pass
 pre-backward has not run) and nothing was prefetched for it since its last
 reshard, so a prefetch never adds an all-gather.
 
+[Note: Prefetched units]
+An all-gather issued ahead of the unit's own use (a backward prefetch, or
+``_unshard``) leaves the flat parameter sharded and the unshard's CUDA event
+with the unit; the unit's own unshard then finds the data ready and waits on
+it. ``prefetched`` (torch's ``_prefetched``) says that such an unshard was
+issued since the last reshard, so that the unit is not chosen for another one;
+it is prefetch bookkeeping that any state may carry, not a step of the
+lifecycle. A forward prefetch unshards in full instead (see the next note).
+
+[Note: Forward prefetch shows the views at once]
+Torch's forward prefetch runs the prefetched unit's whole unshard as if in its
+forward: the flat parameter points at the gathered data and the module's
+``Tensor`` views of it are made right then, and the unit's own pre-forward
+(finding it prefetched) only waits for the all-gather. Autograd records those
+views when they are made, before the current unit's computation, and its CPU
+engine runs ready nodes newest first: in the backward, the views of a
+forward-prefetched unit (and with them its ``AccumulateGrad`` node, its
+post-backward hook and reduce-scatter) come after the backward of the unit
+that prefetched it. So with ``forward_prefetch=True`` torch's backward issues
+the next unit's prefetch all-gather before the reduce-scatter of the unit
+whose backward just ran. This project's unit does the same
+(``FlatParamHandle.prefetch_for_forward``, ``unshard_for_forward``), so both issue the same collectives in the same
+order; the views stay those of the prefetch until the unit's reshard (its
+post-forward), a root pre-forward with forward prefetch, or the end of the
+iteration.
+
 [Note: Checking the forward order across ranks]
 FSDP's collectives only match across ranks when every rank unshards the same
 units in the same order. With the DETAIL debug level (see [Note: Environment

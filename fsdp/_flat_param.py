@@ -20,33 +20,8 @@ reshards and reduces its gradient (fsdp._reduce) itself; ``FSDPState``
 need a part use it directly (``handle.storage``, ``handle.views``,
 ``handle.grads``, ``handle.layout``): the unit does not forward to them.
 Its lifecycle is a ``UnitState`` (fsdp._unit_state), its post-backward hook a
-``PostBackwardHook`` (fsdp._backward_hook).
-
-An all-gather issued ahead of the unit's own use (a backward prefetch, or
-``_unshard``) leaves the flat parameter sharded and the unshard's CUDA event
-with the unit; the unit's own unshard then finds the data ready and waits on
-it. ``prefetched`` (torch's ``_prefetched``) says that such an unshard was
-issued since the last reshard, so that the unit is not chosen for another one;
-it is prefetch bookkeeping that any state may carry, not a step of the
-lifecycle. A forward prefetch unshards in full instead (see [Note: Forward
-prefetch shows the views at once]).
-
-[Note: Forward prefetch shows the views at once]
-Torch's forward prefetch runs the prefetched unit's whole unshard as if in its
-forward: the flat parameter points at the gathered data and the module's
-``Tensor`` views of it are made right then, and the unit's own pre-forward
-(finding it prefetched) only waits for the all-gather. Autograd records those
-views when they are made, before the current unit's computation, and its CPU
-engine runs ready nodes newest first: in the backward, the views of a
-forward-prefetched unit (and with them its ``AccumulateGrad`` node, its
-post-backward hook and reduce-scatter) come after the backward of the unit
-that prefetched it. So with ``forward_prefetch=True`` torch's backward issues
-the next unit's prefetch all-gather before the reduce-scatter of the unit
-whose backward just ran. This unit does the same (``prefetch_for_forward``,
-``unshard_for_forward``), so both issue the same collectives in the same
-order; the views stay those of the prefetch until the unit's reshard (its
-post-forward), a root pre-forward with forward prefetch, or the end of the
-iteration.
+``PostBackwardHook`` (fsdp._backward_hook); prefetching: [Note: Prefetched
+units] and [Note: Forward prefetch shows the views at once] in fsdp._exec_order.
 """
 
 from __future__ import annotations
@@ -77,6 +52,7 @@ from fsdp._layout import (
     shard_param_infos,
 )
 from fsdp._lifecycle import Lifecycle
+from fsdp._optim_in_backward import marked_for_backward, step_in_backward
 from fsdp._orig_params import OrigParamViews
 from fsdp._reduce import CommHookSpec, ReducePlan, reduce_gradient
 from fsdp._storage import FlatParameter, FlatParamStorage, free_storage
@@ -349,7 +325,7 @@ class FlatParamHandle:
         self.grads.init_buffers(self.grad_dtype(), self.device)
         if self._use_orig_params:
             self.views.show_resharded(self.flat_param)
-        self._find_optimizers_in_backward()
+        self.has_optim_in_backward = marked_for_backward(self.flat_param, self.views.params)
 
     def begin_root_forward(self, forward_prefetch: bool) -> None:
         """At the root's pre-forward. ``use_orig_params``: the flat parameter needs
@@ -362,31 +338,13 @@ class FlatParamHandle:
 
     # -- optimizers in backward ----------------------------------------------------------------
 
-    def _find_optimizers_in_backward(self) -> None:
-        """``torch.distributed.optim._apply_optimizer_in_backward`` marks
-        parameters with ``_in_backward_optimizers``; FSDP steps them right after
-        their gradient is reduced (``use_orig_params=True`` only)."""
-        if hasattr(self.flat_param, "_in_backward_optimizers"):
-            raise RuntimeError(
-                "FSDP optimizer in backward only supported with use_orig_params=True!"
-            )
-        self.has_optim_in_backward = any(
-            hasattr(p, "_in_backward_optimizers") for p in self.views.params
-        )
-
     def _step_optimizers_in_backward(self) -> None:
-        """The reduced gradient is exposed, each marked original parameter's
-        optimizers step and free its gradient; the flat gradient goes once no
-        original parameter has one."""
+        """The reduced gradient is exposed, the marked original parameters step
+        (fsdp._optim_in_backward); the flat gradient goes once none has one."""
         self.grads.finish_backward(synced=True)
         self.views.fresh_grads()
         self._show_grads()
-        for param in self.views.params:
-            if param.grad is None:
-                continue  # not on this rank's shard
-            for optim in getattr(param, "_in_backward_optimizers", ()):
-                optim.step()
-                optim.zero_grad(set_to_none=True)
+        step_in_backward(self.views.params)
         if self.views.all_grads_cleared():
             self.grads.clear()
 
