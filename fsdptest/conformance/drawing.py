@@ -523,7 +523,10 @@ class ProgramMachine(RuleBasedStateMachine):
     # Two such behaviours are rules of their own, each a whole block: a
     # summon with writeback=False whose edit is discarded (``edit_summoned``)
     # and a summon that reads gradients (``summon_gradients``: use_orig_params
-    # only, no frozen parameters, no kept low-precision gradients). A block
+    # only, no frozen parameters, no kept low-precision gradients). A third,
+    # ``register_comm_hook_to_run``, registers the recording hook on a unit that
+    # is not hybrid (``register_comm_hook`` draws every kind on any unit, and a
+    # hybrid unit's refusal ends the program). A block
     # is one step for the shrinker, which cannot keep a part of it: an
     # optimizer checkpoint between two training steps, drawn so, left the
     # shrunk examples of other bugs at ten calls and more.
@@ -564,6 +567,20 @@ class ProgramMachine(RuleBasedStateMachine):
     def register_comm_hook(self, kind: sc.HookKind) -> None:
         self._add(sc.RegisterCommHook(kind=kind))
         self.hooked = True
+
+    @precondition(
+        lambda self: (
+            self.net is not None
+            and not self.inited
+            and not self.hooked
+            and not self.setup.sharding.is_hybrid()
+        )
+    )
+    @rule()
+    def register_comm_hook_to_run(self) -> None:
+        """The recording hook where it runs (not a hybrid unit's refusal): see
+        [Note: Rules of their own for what few scenarios reach]."""
+        self.register_comm_hook(sc.HookKind.RECORDING)
 
     @precondition(lambda self: self.net is not None)
     @rule(root_only=st.booleans())
