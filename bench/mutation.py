@@ -205,6 +205,8 @@ AREA_SUITES.update(
         for name in ("optim_keys", "optim_unit", "optim_save", "optim_load", "optim_rekey")
     }
 )
+# and the optimizer states of tensor-parallel (DTensor) parameters, gathered and sharded again
+AREA_SUITES["fsdp/_state_dict/optim_unit.py"].append("suites/test_fsdp_tp_integration.py")
 AREA_SUITES["fsdp/_state_dict/deprecation.py"] = ["suites/test_fsdp_optim_state.py"]
 
 
@@ -483,6 +485,8 @@ def retest(args: argparse.Namespace) -> None:
     """Runs the survivors of ``--results`` again, each applied with ``cosmic-ray apply``
     in ``--workdir`` (a prepared copy of the checkout as it is now: widened
     observations and area suites), and records how each ends."""
+    if args.carry:
+        return retest_carried(args)
     workdir = Path(args.workdir).resolve()
     survivors = [
         r
@@ -527,6 +531,116 @@ def retest(args: argparse.Namespace) -> None:
         out.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+# [Note: Carrying a mutant over to moved code]
+# A run's mutants are cosmic-ray's (file, operator, occurrence) at the commit the
+# run sampled; once ``fsdp/`` has changed (a file split, lines moved) the same
+# occurrence names another spot or another file. ``retest --carry`` re-applies a
+# mutant by its diff instead: the hunk's old lines (context and removed) must
+# occur exactly once in ``fsdp/`` of the prepared copy, and are replaced there by
+# the hunk's new lines. A mutant whose old lines are gone or ambiguous is
+# reported ``not carried`` (the code it mutated no longer exists as it was), never
+# counted as killed. Where the hunk's context changed, its changed lines alone are
+# tried (again: exactly once); where the mutated code was rewritten, the mutant is
+# ported by hand to the same change of today's code (``--ported``,
+# docs/mutation-ported.json, each with why it is the same mutant).
+
+
+def _hunk_texts(diff: str) -> tuple[str, str]:
+    """(old, new) text of a one-hunk unified diff."""
+    old: list[str] = []
+    new: list[str] = []
+    lines = diff.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("@@")) + 1
+    for line in lines[start:]:
+        tag, text = line[:1], line[1:]
+        if tag in (" ", "-"):
+            old.append(text)
+        if tag in (" ", "+"):
+            new.append(text)
+    return "\n".join(old) + "\n", "\n".join(new) + "\n"
+
+
+def _changed_lines(diff: str) -> tuple[str, str]:
+    """(old, new) of a hunk's removed and added lines only, without context."""
+    lines = diff.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("@@")) + 1
+    old = [line[1:] for line in lines[start:] if line.startswith("-")]
+    new = [line[1:] for line in lines[start:] if line.startswith("+")]
+    return "".join(t + "\n" for t in old), "".join(t + "\n" for t in new)
+
+
+def _replace_once(workdir: Path, old: str, new: str) -> str | None:
+    found = [
+        path
+        for path in sorted((workdir / "fsdp").rglob("*.py"))
+        for _ in range(path.read_text().count(old))
+    ]
+    if len(found) != 1 or not old:
+        return None
+    found[0].write_text(found[0].read_text().replace(old, new))
+    return str(found[0].relative_to(workdir))
+
+
+def carry(diff: str, workdir: Path, ported: dict | None = None) -> str | None:
+    """Applies ``diff``'s change where its old lines occur once in ``workdir``'s
+    ``fsdp/`` (the whole hunk, else its changed lines alone), or ``ported``'s
+    hand-ported ``old``/``new`` where the code was rewritten; returns the changed
+    file (relative), or None (see [Note: Carrying a mutant over to moved code])."""
+    if ported is not None:
+        return _replace_once(workdir, ported["old"], ported["new"])
+    return _replace_once(workdir, *_hunk_texts(diff)) or _replace_once(
+        workdir, *_changed_lines(diff)
+    )
+
+
+def retest_carried(args: argparse.Namespace) -> None:
+    """``retest --carry RESULTS.json``: every survivor of a report (not triaged
+    equivalent), carried over to the prepared copy's code and run under its gate."""
+    workdir = Path(args.workdir).resolve()
+    rows = json.loads(Path(args.carry).read_text())["mutants"]
+    ported = json.loads(Path(args.ported).read_text()) if args.ported else {}
+    survivors = [
+        r
+        for r in rows
+        if r.get("final") == "survived"
+        and (r.get("triage") or {}).get("verdict") != "equivalent"
+        and not r.get("duplicate")
+        and (not args.only or any(r["job_id"].startswith(k) for k in args.only))
+    ]
+    out = []
+    for r in survivors:
+        port = next((v for k, v in ported.items() if r["job_id"].startswith(k)), None)
+        changed = carry(r["diff"], workdir, port)
+        row = {"job_id": r["job_id"], "file": r["file"], "line": r["line"], "carried_to": changed}
+        if changed is None:
+            row.update(outcome="not carried", deadline=False, seconds=0.0, tail=[])
+        else:
+            try:
+                row.update(_gate_once(workdir, [changed], args))
+            finally:
+                _run(["git", "checkout", "-q", "--", "fsdp"], workdir)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _gate_once(workdir: Path, files: list[str], args: argparse.Namespace) -> dict:
+    cmd = gate_command(files, args.scenarios, TEST_TIMEOUT)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timeout", "deadline": False, "seconds": args.timeout, "tail": []}
+    output = proc.stdout + proc.stderr
+    return {
+        "outcome": "survived" if proc.returncode == 0 else "killed",
+        "deadline": _hit_deadline(output),
+        "seconds": round(time.monotonic() - start, 1),
+        "tail": output.splitlines()[-6:],
+    }
 
 
 def _outcome(result: object) -> str:
@@ -700,10 +814,19 @@ def main() -> int:
     q.add_argument("--triage", default=None, help="JSON: job-id prefix -> verdict and why")
     t = sub.add_parser("retest", help="run the survivors again under the checkout's current gate")
     t.add_argument("--workdir", default="/tmp/fsdp-mutation-retest", help="a prepared copy")
-    t.add_argument("--results", nargs="+", required=True, help="the workdirs of the run")
+    t.add_argument("--results", nargs="+", default=[], help="the workdirs of the run")
+    t.add_argument(
+        "--carry",
+        default=None,
+        help="a report's --json: retest its survivors carried over to today's code "
+        "(see [Note: Carrying a mutant over to moved code])",
+    )
     t.add_argument("--scenarios", type=int, default=16)
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", default=None)
+    t.add_argument(
+        "--ported", default=None, help="JSON: job-id prefix -> hand-ported old/new (with --carry)"
+    )
     t.add_argument("--skip", nargs="*", default=[], help="job ids not to retest (equivalent)")
     t.add_argument("--only", nargs="*", default=[], help="job-id prefixes to retest, in order")
     t.add_argument(
