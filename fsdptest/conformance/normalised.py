@@ -73,10 +73,10 @@ def _warning_typo(op: str, key: str, value: Any) -> tuple[str, Any]:
     if key != "warnings" or not any(t in w[1] for w in value for t in _TORCH_TYPOS):
         return key, value
     fixed = []
-    for category, text in value:
+    for category, text, *where in value:
         for typo, right in _TORCH_TYPOS.items():
             text = text.replace(typo, right)
-        fixed.append((category, text))
+        fixed.append((category, text, *where))
     return key, tuple(fixed)
 
 

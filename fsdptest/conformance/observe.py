@@ -49,10 +49,12 @@ import dataclasses
 import enum
 import inspect
 import math
+import os
 import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -422,8 +424,25 @@ def error_text(exc: BaseException) -> str:
 
 
 class Caught(NamedTuple):
-    warnings: tuple[tuple[str, str], ...]
+    warnings: tuple[tuple[str, str, str], ...]
     error: tuple[str, str] | None
+
+
+# [Note: Where a warning points]
+# A warning is shown at the frame its ``stacklevel`` names: a user reads "your
+# line N" or "inside the library". Which line is not comparable between two
+# implementations (their internals differ), but which side of the boundary is:
+# each warning is observed with ``the program`` when it points into the
+# scenario's own code (this package, where every API call of a program is made)
+# and ``the implementation`` otherwise (the FSDP's package, torch, or anything
+# else it calls). A warning whose stacklevel is one frame off shows here.
+_PROGRAM = str(Path(__file__).resolve().parent)
+
+
+def pointed_at(filename: str) -> str:
+    """``the program`` or ``the implementation`` (see [Note: Where a warning points])."""
+    inside = str(Path(filename).resolve()).startswith(_PROGRAM + os.sep)
+    return "the program" if inside else "the implementation"
 
 
 @contextlib.contextmanager
@@ -440,7 +459,9 @@ def catching() -> Iterator[list[Caught]]:
             yield result
         except Exception as exc:  # every exception is an observation
             error = (type(exc).__name__, message(error_text(exc)))
-    caught = tuple((w.category.__name__, message(str(w.message))) for w in seen)
+    caught = tuple(
+        (w.category.__name__, message(str(w.message)), pointed_at(w.filename)) for w in seen
+    )
     result.append(Caught(caught, error))
 
 
