@@ -631,7 +631,9 @@ def _gate_once(workdir: Path, files: list[str], args: argparse.Namespace) -> dic
     cmd = gate_command(files, args.scenarios, TEST_TIMEOUT)
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(
+            cmd, cwd=workdir, capture_output=True, text=True, timeout=args.timeout
+        )
     except subprocess.TimeoutExpired:
         return {"outcome": "timeout", "deadline": False, "seconds": args.timeout, "tail": []}
     output = proc.stdout + proc.stderr
