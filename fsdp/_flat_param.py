@@ -658,7 +658,6 @@ class FlatParamHandle:
             # whether the next unshard all-gathers (the ranks would diverge).
             storage.free_unsharded()
             self.views.show_resharded(self.flat_param)
-        self._show_grads()
 
     # -- gradients ---------------------------------------------------------------------------------
 

@@ -437,6 +437,35 @@ class TestTorchLimitations(FSDPTest):
             expected = before if forward_first else full(source)
             self.assertEqual(full(target), expected, f"forward_first={forward_first}")
 
+    def test_replaced_data_is_lost_while_unsharded_is_kept(self) -> None:
+        """SHARD_GRAD_OP, use_orig_params: after a no_grad forward, `p.data = p * 0.5`
+        of every original parameter is not seen by summon_full_params, nor after
+        it; without the forward, it is."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        fsdp = torch_fsdp.FullyShardedDataParallel
+
+        def full(model: nn.Module) -> torch.Tensor:
+            with fsdp.summon_full_params(model):
+                return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+        for forward_first in (True, False):
+            torch.manual_seed(0)
+            model = self._torch_fsdp(
+                nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)),
+                sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+                use_orig_params=True,
+            )
+            before = full(model)
+            if forward_first:
+                with torch.no_grad():
+                    model(torch.ones(1, 2))
+            for param in model.parameters():
+                param.data = param.detach().clone().mul_(0.5)
+            expected = before if forward_first else before * 0.5
+            self.assertEqual(full(model), expected, f"forward_first={forward_first}")
+            self.assertEqual(full(model), expected, f"after, forward_first={forward_first}")
+
 
 class TestTorchLimitationsAnywhere(FSDPTest):
     """Torch's FSDP (``torch.distributed.fsdp`` itself) where its behaviour depends on

@@ -26,8 +26,10 @@ divergence) fails there and must be removed:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+from fsdptest.api import PublicAPI
 from fsdptest.conformance.normalised import NORMALISED, Normalised, Rewrite
 from fsdptest.conformance.scenario import (
     Block,
@@ -38,7 +40,7 @@ from fsdptest.conformance.scenario import (
     Setup,
     StateDictKind,
 )
-from fsdptest.implementations import BUILTIN_MODULES
+from fsdptest.implementations import BUILTIN_MODULES, resolve
 from fsdptest.properties.examples import Sharding
 
 TORCH = BUILTIN_MODULES["torch"]
@@ -260,6 +262,19 @@ UNASKED = _entries(
         "test_local_load_keeps_a_stale_unsharded_parameter",
     ),
     Unasked(
+        "REPLACED_DATA_WITH_STALE_UNSHARDED_PARAMETER",
+        "use_orig_params=True: `p.data = ...` of original parameters while a unit still holds "
+        "the unsharded parameter of a forward (no synced backward since: the root after a "
+        "forward, every unit of SHARD_GRAD_OP after a no_grad forward): torch's writeback "
+        "returns early while the flat parameter is unsharded, so the next summon_full_params "
+        "shows the values from before the replacement, all-gathers nothing, and the "
+        "replacement is lost when the unit reshards; this project's FSDP writes it back and "
+        "frees the stale copy (as for LOCAL_LOAD_KEEPS_STALE_UNSHARDED_PARAMETER). Data is "
+        "replaced only where no forward ran since the last synced backward",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_replaced_data_is_lost_while_unsharded_is_kept",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
         "LOCAL_STATE_DICT with LocalStateDictConfig(offload_to_cpu=True) on accelerator ranks: "
         "torch's save hook calls ShardedTensor.cpu() under no_grad, whose CPU copies of the "
@@ -297,6 +312,11 @@ _ACCELERATOR_DEFECTS = (
 )
 
 
+@functools.cache
+def _provides(module: str, name: str) -> bool:
+    return name in PublicAPI(resolve(module)).found
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What scenarios for ``world_size`` ranks may ask of the two implementations
@@ -317,6 +337,10 @@ class Target:
             return not (torch_side and self.device_type != "cpu")
         entry = UNASKED.get(name) or PENDING_UNASKED[name]
         return not entry.applies(self.impl, self.reference)
+
+    def may_scale_gradients(self) -> bool:
+        """Both implementations have a ``ShardedGradScaler``."""
+        return all(_provides(m, "ShardedGradScaler") for m in (self.impl, self.reference))
 
     def can_offload(self) -> bool:
         return self.asks("CPU_OFFLOAD_WITHOUT_ACCELERATOR")
@@ -415,6 +439,11 @@ class Target:
         """Whether a LOCAL_STATE_DICT may be loaded while a forward's unsharded
         parameters may still be kept (no synced backward since)."""
         return self.asks("LOCAL_LOAD_KEEPS_STALE_UNSHARDED_PARAMETER")
+
+    def may_replace_data_after_forward(self) -> bool:
+        """Whether original parameters' data may be replaced while a forward's
+        unsharded parameters may still be kept (no synced backward since)."""
+        return self.asks("REPLACED_DATA_WITH_STALE_UNSHARDED_PARAMETER")
 
     def may_clip_inf(self, setup: Setup, net: Net | None) -> bool:
         frozen = net is not None and any(layer.frozen for layer in net.layers())

@@ -226,6 +226,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.hooked = False
         self.has_grads = False  # a backward ran since the last zero_grad(set_to_none=True)
         self.kept = False  # a forward ran since the last synced backward (unsharded kept)
+        self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
 
@@ -556,6 +557,43 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule()
     def edit_parameters(self) -> None:
         self._add(sc.EditParams())
+
+    @precondition(lambda self: self._free() and not self._in("no_sync"))
+    @rule(none_first=st.booleans())
+    def set_gradients(self, none_first: bool) -> None:
+        """``p.grad = ...`` for every listed parameter, as a user writes it."""
+        self._add(sc.SetGrads(none_first=none_first))
+        self.has_grads = True
+
+    @precondition(
+        lambda self: (
+            self._free()
+            and self.setup.use_orig_params
+            and (not self.kept or self.TARGET.may_replace_data_after_forward())
+        )
+    )
+    @rule(flatten=st.sampled_from((False, False, False, True)))
+    def replace_parameter_data(self, flatten: bool) -> None:
+        """``p.data = ...`` for every original parameter (``flatten``: of another
+        shape, a misuse)."""
+        self._add(sc.ReplaceData(flatten=flatten))
+
+    @precondition(
+        lambda self: self._free() and not self._in("no_sync") and self.TARGET.may_scale_gradients()
+    )
+    @rule(clip=st.booleans(), growth_interval=st.sampled_from((None, 1)))
+    def scaled_train_step(self, clip: bool, growth_interval: int | None) -> None:
+        """A training step through the implementation's ``ShardedGradScaler``:
+        ``zero_grad``, forward, ``scaler.scale(loss).backward()``, maybe
+        ``unscale_`` and ``clip_grad_norm_``, ``scaler.step``, ``scaler.update``.
+        The program's scaler is made by its first scaled backward, so every later
+        one repeats that one's ``growth_interval``."""
+        if self.scaler_growth is None:
+            self.scaler_growth = (growth_interval,)
+        backward = sc.ScaledBackward(growth_interval=self.scaler_growth[0])
+        self._add(sc.ZeroGrad(set_to_none=True), sc.Forward(), backward, sc.ScalerStep(clip))
+        self.inited = self.has_grads = True
+        self.kept = False
 
     @precondition(lambda self: self._free())
     @rule(fn=st.sampled_from(list(sc.ApplyFn)))

@@ -104,6 +104,7 @@ class Run:
         self._names: dict[int, str] = {}  # module id -> name in the unwrapped model
         self._attributes: list[tuple[str, nn.Module, str]] = []
         self._hook_state: Any = None  # what register_comm_hook was given
+        self._scaler: Any = None  # the ShardedGradScaler of scaled steps
         self._settings = sc.Settings(configs=False)
 
     # -- the run -------------------------------------------------------------------------
@@ -164,6 +165,7 @@ class Run:
         self._saved_optim.clear()
         self._attributes.clear()
         self._hook_state = None
+        self._scaler = None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -445,6 +447,38 @@ class Run:
         for _, param in self.model.named_parameters():
             if param.numel():
                 param.mul_(EDIT_SCALE).add_(EDIT_SHIFT)
+
+    def _op_SetGrads(self, op: sc.SetGrads) -> None:
+        for i, (_, param) in enumerate(self.model.named_parameters()):
+            none = op.none_first and i == 0
+            param.grad = None if none else torch.full_like(param, op.value * (i + 1))
+
+    def _op_ReplaceData(self, op: sc.ReplaceData) -> None:
+        for _, param in self.model.named_parameters():
+            data = param.detach().clone().mul_(0.5)
+            param.data = data.reshape(-1) if op.flatten else data
+
+    def _op_ScaledBackward(self, op: sc.ScaledBackward) -> None:
+        loss, self.loss = self.loss, None
+        assert loss is not None, "a drawn program runs a scaled backward after a forward"
+        if self._scaler is None:
+            kwargs: dict[str, Any] = {"device": self.device.type}
+            if op.growth_interval is not None:
+                kwargs["growth_interval"] = op.growth_interval
+            self._scaler = self.api.ShardedGradScaler(**kwargs)
+        self._scaler.scale(loss).backward()
+
+    def _op_ScalerStep(self, op: sc.ScalerStep) -> None:
+        scaler, optim = self._scaler, self.optim
+        assert scaler is not None and optim is not None
+        if op.clip:
+            scaler.unscale_(optim)
+            self._note("total norm", self.model.clip_grad_norm_(0.05))
+        scaler.step(optim)
+        scaler.update()
+        self._note("scale", scaler.get_scale())
+        self._note("scaler state", scaler.state_dict())
+        self._note("optimizer state", optim.state_dict())
 
     def _op_Apply(self, op: sc.Apply) -> None:
         returned = self.model.apply(_APPLY_FNS[op.fn])

@@ -431,6 +431,45 @@ class EditParams(Op):
 
 
 @dataclasses.dataclass(frozen=True)
+class SetGrads(Op):
+    """``p.grad = torch.full_like(p, value)`` for every parameter the model lists
+    (``none_first``: the first one's ``.grad = None``): gradients a user sets."""
+
+    NAME: ClassVar[str] = "set gradients"
+    value: float = 0.25
+    none_first: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaceData(Op):
+    """``p.data = <new storage>`` for every parameter the model lists (the values
+    scaled by 0.5; ``flatten``: of shape ``(numel,)`` instead of the parameter's)."""
+
+    NAME: ClassVar[str] = "replace parameter data"
+    flatten: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledBackward(Op):
+    """``scaler.scale(loss).backward()`` with the implementation's
+    ``ShardedGradScaler``, made at the program's first scaled backward as a user
+    writes it: ``ShardedGradScaler(device=<the ranks' device type>)``, with
+    ``growth_interval`` when it is not None."""
+
+    NAME: ClassVar[str] = "scaled backward"
+    growth_interval: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStep(Op):
+    """``scaler.unscale_(optim)`` then ``model.clip_grad_norm_(0.05)`` when
+    ``clip``; ``scaler.step(optim)``; ``scaler.update()``."""
+
+    NAME: ClassVar[str] = "scaler step"
+    clip: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Apply(Op):
     NAME: ClassVar[str] = "apply"
     fn: ApplyFn = ApplyFn.SCALE_LINEARS
@@ -484,6 +523,10 @@ OPS: dict[str, type[Op]] = {
         RekeyOptimState,
         EnterSummon,
         EditParams,
+        SetGrads,
+        ReplaceData,
+        ScaledBackward,
+        ScalerStep,
         Apply,
         RegisterCommHook,
         FsdpModules,
