@@ -738,6 +738,26 @@ class TestWriteback(FSDPTest):
             torch.optim.SGD(m.parameters(), lr=1.0).step()
         self.assertEqual(_full_params(model), [p.detach() for p in reference.parameters()])
 
+    def test_set_grads_stay_until_the_next_backward(self) -> None:
+        """Gradients the user sets before the first forward (use_orig_params) are
+        written into the flat gradient and stay the user's own tensors, as set
+        (None included, on frozen parameters and on parameters outside the
+        rank's shard), until FSDP next shows its gradient."""
+        self.run_subtests({"sharding_strategy": list(ALL_STRATEGIES)}, self._check_set_grads)
+
+    def _check_set_grads(self, sharding_strategy: ShardingStrategy) -> None:
+        module = _blocks()
+        module[1].lin.weight.requires_grad_(False)
+        model = _wrap(module, use_orig_params=True, sharding_strategy=sharding_strategy)
+        params = list(model.parameters())
+        grads = [None] + [torch.full_like(p, 0.25 * i) for i, p in enumerate(params) if i]
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        with FSDP.summon_full_params(model):  # the lazy initialisation writes them back
+            pass
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            self.assertIs(param.grad, grad, f"parameter {i} (of {len(params)})")
+
     def test_load_state_dict_then_forward(self) -> None:
         """Loading another model's state dict makes the outputs equal to it."""
         self.run_subtests(
