@@ -45,8 +45,7 @@ With one rank in the sharding group, sharding strategies fall back to
 ``NO_SHARD`` (with a warning), as there is nothing to shard; a hybrid strategy
 keeps its name and its replicate group, and its replicas still sum gradients
 (torch's FSDP switches it to ``NO_SHARD`` and drops the replicate group there,
-so its replicas drift apart). ``sync_module_states`` broadcasts from the first
-rank of the replicate group, then from the first rank of the shard group.
+so its replicas drift apart). ``sync_module_states``: fsdp._sync_states.
 
 [Note: Deprecation notices]
 As torch's, ``NO_SHARD`` on more than one rank gives torch's ``FutureWarning``
@@ -69,10 +68,11 @@ from torch.distributed.tensor import DTensor
 
 from fsdp import _comm, _registry
 from fsdp._common import HYBRID_SHARDING_STRATEGIES, EnvSwitches, ProcessGroups
-from fsdp._dtensor_extensions import DTensorExtensions, local_of
+from fsdp._dtensor_extensions import DTensorExtensions
 from fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
 from fsdp._ignored import Ignored
 from fsdp._runtime import FSDPState, UnitConfig
+from fsdp._sync_states import sync_module_states
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 
@@ -368,32 +368,6 @@ def check_scalar_params(root: nn.Module, params: list[nn.Parameter]) -> None:
             )
 
 
-def sync_states(
-    params: list[nn.Parameter],
-    buffers: list[tuple[nn.Module, str]],
-    group: Any,
-    device: torch.device,
-) -> None:
-    """``sync_module_states``: every rank starts from the first rank's values."""
-    src = _comm.group_ranks(group)[0]
-    with torch.no_grad():  # a DTensor's local tensor (see [Note: Tensor-parallel parameters])
-        # The buffers first, then the parameters: torch's order (one coalesced broadcast).
-        tensors = [local_of(m._buffers[n]) for m, n in buffers if m._buffers[n] is not None]
-        tensors += [local_of(p.data) for p in params]
-    if device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
-        raise ValueError(
-            "The module has CPU parameters or buffers when `sync_module_states=True`, which "
-            "requires them to be on GPU. Please specify the `device_id` argument or move the "
-            "module to GPU before passing it to FSDP."
-        )
-    with torch.no_grad():
-        for tensor in tensors:
-            on_device = tensor if tensor.device == device else tensor.to(device)
-            _comm.broadcast(on_device, src=src, group=group)
-            if on_device is not tensor:
-                tensor.copy_(on_device)
-
-
 class UnitArgs(NamedTuple):
     """The constructor arguments of FullyShardedDataParallel that shape a unit
     (its process groups and what it ignores are resolved before)."""
@@ -458,10 +432,7 @@ def build_unit(
         _warn_cpu_init()
     check_scalar_params(managed, params)
     if args.sync_module_states:
-        # The replicas first, then within each shard group (torch's order).
-        if groups.replicate is not None:
-            sync_states(params, buffers, groups.replicate, device)
-        sync_states(params, buffers, groups.shard, device)
+        sync_module_states(managed, params, groups, device)
     config = UnitConfig(
         sharding_strategy=strategy,
         mixed_precision=args.mixed_precision or MixedPrecision(),

@@ -492,6 +492,42 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         for shard in state_dict["_flat_param"].local_shards():
             self.assertEqual(shard.tensor.device, torch.device("cpu"))
 
+    def test_hybrid_sync_module_states_order(self) -> None:
+        """HYBRID_SYNC_ORDER_BEFORE_TORCH_2_13: the broadcasts of sync_module_states
+        for HYBRID_SHARD over a (1, 2) mesh (the replicate group is each rank alone),
+        a Linear and a BatchNorm: before torch 2.13, the buffers and parameters over
+        the shard group, then the parameters over the replicate group; from 2.13, the
+        replicate group first, then the buffers again with the parameters over the
+        shard group. Torch cannot sync module states on CPU ranks
+        (TestTorchLimitations::test_sync_module_states_on_cpu_ranks)."""
+        import torch.distributed.fsdp as torch_fsdp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from fsdptest.conformance.allowed import torch_before_2_13
+        from fsdptest.conformance.observe import Collectives
+
+        device = current_device()
+        if device.type == "cpu":
+            pytest.skip("torch's FSDP syncs module states on accelerator ranks only")
+        mesh = init_device_mesh(device.type, (1, 2))
+        module = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(device)
+        with Collectives() as collectives:
+            torch_fsdp.FullyShardedDataParallel(
+                module,
+                device_mesh=mesh,
+                sharding_strategy=torch_fsdp.ShardingStrategy.HYBRID_SHARD,
+                sync_module_states=True,
+            )
+        broadcasts = [(c.input_numel, c.group) for c in collectives.take() if c.kind == "BROADCAST"]
+        shard, replicate = (0, 1), (self.rank,)
+        buffers = [(3, shard), (3, shard), (1, shard)]  # running mean, running var, count
+        params = [(9, shard), (3, shard), (3, shard), (3, shard)]
+        if torch_before_2_13():
+            expected = buffers + params + [(n, replicate) for n, _ in params]
+        else:
+            expected = [(n, replicate) for n, _ in buffers + params] + buffers + params
+        self.assertEqual(broadcasts, expected)
+
     def test_offloaded_orig_params_before_backward(self) -> None:
         """OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS: after a forward, the parameters of
         the rank's shard have zero gradients on accelerator ranks; on CPU ranks torch

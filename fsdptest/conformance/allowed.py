@@ -29,6 +29,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import torch
+
 from fsdptest.api import PublicAPI
 from fsdptest.conformance.normalised import NORMALISED, Normalised, Rewrite
 from fsdptest.conformance.scenario import (
@@ -275,6 +277,29 @@ UNASKED = _entries(
         "test_replaced_data_is_lost_while_unsharded_is_kept",
     ),
     Unasked(
+        "OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC",
+        "CPUOffload(offload_params=True) (accelerator ranks): a backward onto an existing "
+        "gradient outside no_sync() (a second synced microbatch, a step without zero_grad, "
+        "gradients a user set) keeps only the newest reduced gradient in torch's FSDP, a "
+        "limitation its FullyShardedDataParallel docstring states; this project's FSDP "
+        "accumulates. With parameter offload, every backward starts from no gradient "
+        "(zero_grad(set_to_none=True) first; one microbatch a step)",
+        "suites/test_regressions.py::TestGradientAccumulation::"
+        "test_no_sync_microbatches_equal_one_big_batch",
+    ),
+    Unasked(
+        "HYBRID_SYNC_ORDER_BEFORE_TORCH_2_13",
+        "sync_module_states=True with a hybrid strategy, torch before 2.13 (accelerator "
+        "ranks): torch broadcasts the buffers and parameters over the shard group first, "
+        "then the parameters alone over the replicate group, so a shard group whose first "
+        "rank is not the source keeps that rank's values; torch 2.13 broadcasts over the "
+        "replicate group first, then everything over the shard group, as this project's "
+        "FSDP does (fsdp/_sync_states.py). Hybrid units sync module states only where the "
+        "torch side is 2.13 or later",
+        "suites/test_conformance_allowed.py::TestTorchLimitationsAnywhere::"
+        "test_hybrid_sync_module_states_order",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
         "LOCAL_STATE_DICT with LocalStateDictConfig(offload_to_cpu=True) on accelerator ranks: "
         "torch's save hook calls ShardedTensor.cpu() under no_grad, whose CPU copies of the "
@@ -306,6 +331,14 @@ _ACCELERATOR_ONLY = (
     "SUMMON_OFFLOAD_TO_CPU_WITHOUT_ACCELERATOR",
     "SYNC_MODULE_STATES_WITHOUT_ACCELERATOR",
 )
+_BEFORE_TORCH_2_13 = ("HYBRID_SYNC_ORDER_BEFORE_TORCH_2_13",)
+
+
+def torch_before_2_13() -> bool:
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) < (2, 13)
+
+
 _ACCELERATOR_DEFECTS = (
     "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
     "OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS",
@@ -335,8 +368,14 @@ class Target:
         if name in _ACCELERATOR_DEFECTS:
             torch_side = TORCH in (self.impl, self.reference)
             return not (torch_side and self.device_type != "cpu")
+        if name in _BEFORE_TORCH_2_13:
+            torch_side = TORCH in (self.impl, self.reference)
+            return not (torch_side and torch_before_2_13())
         entry = UNASKED.get(name) or PENDING_UNASKED[name]
         return not entry.applies(self.impl, self.reference)
+
+    def may_sync_hybrid(self) -> bool:
+        return self.asks("HYBRID_SYNC_ORDER_BEFORE_TORCH_2_13")
 
     def may_scale_gradients(self) -> bool:
         """Both implementations have a ``ShardedGradScaler``."""
@@ -439,6 +478,11 @@ class Target:
         """Whether a LOCAL_STATE_DICT may be loaded while a forward's unsharded
         parameters may still be kept (no synced backward since)."""
         return self.asks("LOCAL_LOAD_KEEPS_STALE_UNSHARDED_PARAMETER")
+
+    def offload_keeps_newest_gradient(self, setup: Setup) -> bool:
+        """Whether a backward must start from no gradient (see
+        ``OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC``)."""
+        return setup.offload_params and not self.asks("OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC")
 
     def may_replace_data_after_forward(self) -> bool:
         """Whether original parameters' data may be replaced while a forward's

@@ -61,7 +61,11 @@ def setups(draw: st.DrawFn, target: Target) -> sc.Setup:
     replicas = draw(st.sampled_from(target.replica_counts())) if sharding.is_hybrid() else 1
     wrap = draw(st.sampled_from(list(Wrap)))
     precision = draw(st.none() | precisions())
-    sync = target.may_sync_module_states() and draw(st.booleans())
+    sync = (
+        target.may_sync_module_states()
+        and (not sharding.is_hybrid() or target.may_sync_hybrid())
+        and draw(st.booleans())
+    )
     return sc.Setup(
         sharding=sharding,
         replicas=replicas,
@@ -273,7 +277,7 @@ class ProgramMachine(RuleBasedStateMachine):
         turns steps into their three calls (a program that needs two steps is
         then 7 calls long, with 8 it would be 9)."""
         may_no_sync = self.TARGET.may_accumulate(self.setup, self.net) and not self._in("no_sync")
-        if self._hook_needs_fresh_gradients():
+        if self._fresh_gradients_only():
             microbatches, set_to_none = microbatches[:1], True
         windowed_any = may_no_sync and any(microbatches[:-1])
         onto_gradient = self.TARGET.may_no_sync_onto_gradient(self.setup)
@@ -301,6 +305,12 @@ class ProgramMachine(RuleBasedStateMachine):
     def _hook_needs_fresh_gradients(self) -> bool:
         return self.hooked and not self.TARGET.may_accumulate_hooked(self.setup)
 
+    def _fresh_gradients_only(self) -> bool:
+        """Every backward starts from no gradient: a hook that cannot accumulate,
+        or torch's offload limitation (``OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC``)."""
+        offload = self.TARGET.offload_keeps_newest_gradient(self.setup)
+        return offload or self._hook_needs_fresh_gradients()
+
     def _clip(self, max_norm: float, norm_type: float) -> None:
         if norm_type == float("inf") and not self.TARGET.may_clip_inf(self.setup, self.net):
             norm_type = 2.0
@@ -311,7 +321,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def forward(self, no_grad: bool) -> None:
         """A forward on its own (not inside a summon: torch's FSDP then all-gathers
         on some ranks only under ``rank0_only``, and gloo aborts)."""
-        if self.has_grads and self._hook_needs_fresh_gradients():
+        if self.has_grads and self._fresh_gradients_only():
             no_grad = True
         self._add(sc.Forward(no_grad=no_grad))
         self.pending = not no_grad
@@ -558,7 +568,13 @@ class ProgramMachine(RuleBasedStateMachine):
     def edit_parameters(self) -> None:
         self._add(sc.EditParams())
 
-    @precondition(lambda self: self._free() and not self._in("no_sync"))
+    @precondition(
+        lambda self: (
+            self._free()
+            and not self._in("no_sync")
+            and not self.TARGET.offload_keeps_newest_gradient(self.setup)
+        )
+    )
     @rule(none_first=st.booleans())
     def set_gradients(self, none_first: bool) -> None:
         """``p.grad = ...`` for every listed parameter, as a user writes it."""

@@ -68,7 +68,13 @@ cannot do; the suites named here assert each of these limitations:
 - a ``LOCAL_STATE_DICT`` of a hybrid unit whose shard group does not hold
   rank 0 (``replicas > 1``): torch builds its ``ShardedTensor`` with group
   ranks taken for global ones and raises "Global rank 0 does not exist in
-  input process group" (``suites/test_property_findings.py``); likewise.
+  input process group" (``suites/test_property_findings.py``); likewise;
+- with CPU offload (accelerator runs), gradient accumulation outside
+  ``no_sync()``: torch documents that its FSDP then keeps only the newest
+  gradient ("Limitations" in its ``FullyShardedDataParallel`` docstring;
+  asserted by ``suites/test_grad_accumulation.py`` and
+  ``suites/test_regressions.py``); such steps run their microbatches but the
+  last under ``no_sync``.
 """
 
 from __future__ import annotations
@@ -264,6 +270,8 @@ def _for_torch(example: Example) -> Example:
         steps = [_no_inf_clip(step) for step in steps]
     if config.use_orig_params or (config.sharding.is_hybrid() and config.replicas > 1):
         steps = [_no_local_state_dict(step) for step in steps]
+    if config.offload_params:
+        steps = [dataclasses.replace(s, microbatches=_no_sync_but_last(s)) for s in steps]
     if not config.use_orig_params:
         model = _without_one_element_units(model)
     else:
@@ -295,6 +303,10 @@ def _first_block_trainable(model: Model) -> Model:
 
 def _synced(microbatches: str) -> str:
     return SYNC * len(microbatches)
+
+
+def _no_sync_but_last(step: Step) -> str:
+    return NO_SYNC * (len(step.microbatches) - 1) + SYNC
 
 
 def _no_local_state_dict(step: Step) -> Step:
