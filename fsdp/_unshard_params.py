@@ -88,7 +88,7 @@ def validate_unshard(
             "unsharded parameters being redundantly copied to CPU memory for GPUs sharing the "
             "same CPU memory, which risks CPU OOM. We recommend using offload_to_cpu=True with "
             "rank0_only=True.",
-            stacklevel=4,
+            stacklevel=1,  # inside the library, where torch's points
         )
 
 

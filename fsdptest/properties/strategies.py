@@ -282,7 +282,12 @@ def _for_torch(example: Example) -> Example:
         if precision is not None and low and _has_ties(model):
             kept = dataclasses.replace(precision, keep_low_precision_grads=False)
             config = dataclasses.replace(config, mixed_precision=kept)
-            steps = [dataclasses.replace(s, microbatches=_synced(s.microbatches)) for s in steps]
+            # synced microbatches, and with offload only one (both limitations above)
+            synced = SYNC if config.offload_params else None
+            steps = [
+                dataclasses.replace(s, microbatches=synced or _synced(s.microbatches))
+                for s in steps
+            ]
     return dataclasses.replace(example, model=model, config=config, steps=tuple(steps))
 
 
