@@ -556,11 +556,14 @@ class ProgramMachine(RuleBasedStateMachine):
         self._exit()
 
     @precondition(lambda self: self._free() and self.TARGET.may_summon_grads(self.setup, self.net))
-    @rule(recurse=st.booleans().map(lambda b: not b), rank0_only=st.booleans())
-    def summon_gradients(self, recurse: bool, rank0_only: bool) -> None:
-        """``with summon_full_params(..., with_grads=True): read the gradients``
-        (see [Note: Rules of their own for what few scenarios reach])."""
+    @rule(recurse=st.booleans().map(lambda b: not b), rank0_only=st.booleans(), edit=st.booleans())
+    def summon_gradients(self, recurse: bool, rank0_only: bool, edit: bool) -> None:
+        """``with summon_full_params(..., with_grads=True): read the gradients``, or
+        with ``edit`` (and writeback) edit them (see [Note: Rules of their own for
+        what few scenarios reach])."""
         self._summon(recurse, True, rank0_only, False, with_grads=True)
+        if edit and not rank0_only:
+            self._add(sc.EditParams(grads=True))
         self._exit()
 
     @precondition(lambda self: self.net is not None and not self.pending)
@@ -575,10 +578,11 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
         )
     )
-    @rule(none_first=st.booleans())
-    def set_gradients(self, none_first: bool) -> None:
-        """``p.grad = ...`` for every listed parameter, as a user writes it."""
-        self._add(sc.SetGrads(none_first=none_first))
+    @rule(none_first=st.booleans(), only_first=st.booleans())
+    def set_gradients(self, none_first: bool, only_first: bool) -> None:
+        """``p.grad = ...`` for every listed parameter, as a user writes it, or the
+        first one's alone."""
+        self._add(sc.SetGrads(none_first=none_first, only_first=only_first))
         self.has_grads = True
 
     @precondition(

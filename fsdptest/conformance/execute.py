@@ -445,11 +445,14 @@ class Run:
     @torch.no_grad()
     def _op_EditParams(self, op: sc.EditParams) -> None:
         for _, param in self.model.named_parameters():
-            if param.numel():
-                param.mul_(EDIT_SCALE).add_(EDIT_SHIFT)
+            tensor = param.grad if op.grads else param
+            if tensor is not None and tensor.numel():
+                tensor.mul_(EDIT_SCALE).add_(EDIT_SHIFT)
 
     def _op_SetGrads(self, op: sc.SetGrads) -> None:
         for i, (_, param) in enumerate(self.model.named_parameters()):
+            if op.only_first and i > 0:
+                break
             none = op.none_first and i == 0
             param.grad = None if none else torch.full_like(param, op.value * (i + 1))
 

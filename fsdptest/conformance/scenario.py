@@ -425,19 +425,23 @@ class EnterSummon(Op):
 @dataclasses.dataclass(frozen=True)
 class EditParams(Op):
     """``p.mul_(0.75).add_(0.01)`` under ``no_grad`` for every parameter the model
-    lists."""
+    lists (``grads``: for every gradient there is instead)."""
 
     NAME: ClassVar[str] = "edit parameters"
+    grads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class SetGrads(Op):
     """``p.grad = torch.full_like(p, value)`` for every parameter the model lists
-    (``none_first``: the first one's ``.grad = None``): gradients a user sets."""
+    (``none_first``: the first one's ``.grad = None``; ``only_first``: the first
+    one alone, as another optimizer's ``zero_grad`` over it does): gradients a
+    user sets."""
 
     NAME: ClassVar[str] = "set gradients"
     value: float = 0.25
     none_first: bool = False
+    only_first: bool = False  # the others keep their gradients
 
 
 @dataclasses.dataclass(frozen=True)
