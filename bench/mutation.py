@@ -140,7 +140,11 @@ AREA_SUITES: dict[str, list[str]] = {
     "fsdp/_comm.py": ["suites/test_collective_traces.py"],
     "fsdp/_common.py": ["suites/test_utils.py"],
     # fully_shard: the suite that calls it
-    "fsdp/_composable.py": ["suites/test_construction.py", "suites/test_mixed_precision.py"],
+    "fsdp/_composable.py": [
+        "suites/test_composable.py",
+        "suites/test_construction.py",
+        "suites/test_mixed_precision.py",
+    ],
     "fsdp/_dtensor_extensions.py": [
         "suites/test_fsdp_dtensor_state_dict.py",
         "suites/test_fsdp_tp_integration.py",
