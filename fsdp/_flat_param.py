@@ -618,6 +618,8 @@ class FlatParamHandle:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:
             self.views.show_resharded(self.flat_param)
+            if self._use_orig_params and self.training_state is HandleTrainingState.FORWARD:
+                self._show_grads()  # as torch's post-forward reshard: a user's .grad is shown again
 
     def reshard_if_unsharded(self, free: bool) -> None:
         """End of backward: reshards what is still unsharded, also a copy kept

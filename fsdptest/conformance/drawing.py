@@ -561,8 +561,13 @@ class ProgramMachine(RuleBasedStateMachine):
         """``with summon_full_params(..., with_grads=True): read the gradients``, or
         with ``edit`` (and writeback) edit them (see [Note: Rules of their own for
         what few scenarios reach])."""
+        edit = edit and not rank0_only
+        if edit and not self.has_grads:  # gradients to edit
+            self._add(sc.Forward(), sc.Backward())
+            self.inited = self.has_grads = True
+            self.kept = self._in("no_sync")
         self._summon(recurse, True, rank0_only, False, with_grads=True)
-        if edit and not rank0_only:
+        if edit:
             self._add(sc.EditParams(grads=True))
         self._exit()
 
