@@ -77,11 +77,8 @@ class ViewMode(enum.Enum):
 def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
     """See [Note: Setting the original names]."""
     if safe:
-        if _parameter_registered(module, name):
-            # delattr then setattr: the name moves to the end of ``_parameters``
-            # (the order of ``named_parameters()`` and of state dicts follows).
-            del module._parameters[name]
-            module._parameters[name] = param
+        if _plain_parameter_name(module, name, param):
+            _reregister_parameter(module, name, param)
         else:
             _safe_setattr(module, name, param)
         return
@@ -95,7 +92,8 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None
     """Shows a tensor that is not an ``nn.Parameter`` (a view or a placeholder)."""
     if safe:
         if _plain_module_attribute(module, name):
-            _replace_tensor_attribute(module, name, tensor)
+            _delete_attribute(module, name)
+            module.__dict__[name] = tensor  # nn.Module.__setattr__ of a plain tensor
         else:
             _safe_setattr(module, name, tensor)
         return
@@ -110,35 +108,38 @@ def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
 
 
 def _plain_module_attribute(module: nn.Module, name: str) -> bool:
-    """Whether ``delattr`` then ``setattr`` of a plain tensor under ``name``
-    would run only ``nn.Module``'s own code on an instance attribute (no
-    override in the module's class, no descriptor of that name)."""
+    """Whether ``hasattr``, ``delattr`` then ``setattr`` of a plain tensor under
+    ``name`` would run only ``nn.Module``'s own code on an instance attribute (no
+    attribute method overridden in the module's class, no descriptor of that
+    name)."""
     cls = type(module)
     return (
         cls.__setattr__ is _MODULE_SETATTR
         and cls.__delattr__ is _MODULE_DELATTR
+        and cls.__getattr__ is _MODULE_GETATTR
+        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
         and (name in module.__dict__ or name in module._parameters)
         and not hasattr(cls, name)
     )
 
 
-def _parameter_registered(module: nn.Module, name: str) -> bool:
-    """Whether ``delattr`` then ``setattr`` of an ``nn.Parameter`` under
-    ``name`` would only take the name out of ``_parameters`` and register it
-    again (only ``nn.Module``'s own code, no registration hook)."""
+def _plain_parameter_name(module: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether ``hasattr``, ``delattr`` then ``setattr`` of ``param`` under
+    ``name`` would run only ``nn.Module``'s own code and pass its checks (a
+    leaf ``nn.Parameter``, no registration hook): the name only leaves the
+    module's dicts and is registered again (see ``_reregister_parameter``)."""
     return (
-        name in module._parameters
-        and not _PARAMETER_REGISTRATION_HOOKS
+        not _PARAMETER_REGISTRATION_HOOKS
+        and isinstance(param, nn.Parameter)
+        and param.grad_fn is None
         and _plain_module_attribute(module, name)
-        and name not in module.__dict__
     )
 
 
-def _replace_tensor_attribute(module: nn.Module, name: str, value: Tensor) -> None:
-    """What ``nn.Module.__delattr__`` then ``nn.Module.__setattr__`` do for a
-    plain tensor (see [Note: Cheap between-use bookkeeping]): the name leaves
-    ``_parameters`` (or the buffers or submodules) and becomes an instance
-    attribute."""
+def _delete_attribute(module: nn.Module, name: str) -> None:
+    """What ``nn.Module.__delattr__`` does (see [Note: Cheap between-use
+    bookkeeping]): the first of ``_parameters``, the buffers, the submodules
+    and the instance dict that holds the name loses it."""
     if name in module._parameters:
         del module._parameters[name]
     elif name in module._buffers:
@@ -148,11 +149,27 @@ def _replace_tensor_attribute(module: nn.Module, name: str, value: Tensor) -> No
         del module._modules[name]
     else:
         del module.__dict__[name]  # object.__delattr__
-    module.__dict__[name] = value
+
+
+def _reregister_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """``delattr`` then ``setattr`` of a parameter, as ``nn.Module`` does them
+    where ``_plain_parameter_name`` holds: the name leaves whichever dict held
+    it, ``__setattr__`` takes it out of the instance dict, the buffers and the
+    submodules, and ``register_parameter`` adds it at the end of
+    ``_parameters`` (the order of ``named_parameters()`` and of state dicts
+    follows)."""
+    _delete_attribute(module, name)
+    module.__dict__.pop(name, None)
+    module._buffers.pop(name, None)
+    module._modules.pop(name, None)
+    module._non_persistent_buffers_set.discard(name)
+    module._parameters[name] = param
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
 _MODULE_DELATTR = nn.Module.__delattr__
+_MODULE_GETATTR = nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE = object.__getattribute__
 # nn.Module's global parameter registration hooks (a private dict: when a torch
 # version lacks it, every parameter goes through setattr).
 _PARAMETER_REGISTRATION_HOOKS = getattr(
@@ -359,37 +376,43 @@ class OrigParamViews:
         return self._resharded[2]
 
     def _show_no_shard(self, flat_param: FlatParameter) -> None:
+        if self.use_orig_params:
+            self._show_shard_views(flat_param)
+            return
         views = self._resharded_views(flat_param)
-        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
+        safe = self.safe_setattr
+        for view, info, extension in zip(views, self.layout.param_infos, self._extensions):
             assert view is not None
-            if self.use_orig_params:
-                self._point(i, view)
-                set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
-            else:
-                shown = DTensorExtensions.unflatten(view, self._extensions[i])
-                set_tensor(info.module, info.param_name, shown, self.safe_setattr)
+            shown = view if extension is None else DTensorExtensions.unflatten(view, extension)
+            set_tensor(info.module, info.param_name, shown, safe)
         self._alias_shared()
 
     def _show_shard_views(self, flat_param: FlatParameter) -> None:
+        """Each original parameter views its part of the local shard (``NO_SHARD``:
+        of the whole parameter) and is shown under its name."""
         views = self._resharded_views(flat_param)
+        safe = self.safe_setattr
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             assert view is not None
-            self._point(i, view)
-            set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
+            set_param(info.module, info.param_name, self._point(i, view), safe)
         self._alias_shared()
 
-    def _point(self, i: int, view: Tensor) -> None:
+    def _point(self, i: int, view: Tensor) -> nn.Parameter:
         """``params[i].data = view`` unless it already views that memory (an empty
-        view has no memory: its dtype and device must match, e.g. after ``.half()``)."""
+        view has no memory: its dtype and device must match, e.g. after ``.half()``);
+        returns ``params[i]``."""
         param = self.params[i]
+        ptr = view.data_ptr()
         if (
-            param.data_ptr() != view.data_ptr()
+            param.data_ptr() != ptr
             or param.shape != view.shape
             or param.dtype != view.dtype
             or param.device != view.device
         ):
             param.data = view
-        self._shown_ptrs[i] = param.data_ptr()
+            ptr = param.data_ptr()
+        self._shown_ptrs[i] = ptr
+        return param
 
     def release(self) -> None:
         """Removes every original name from its module (around ``module._apply``)."""
@@ -410,16 +433,23 @@ class OrigParamViews:
         for i, param in enumerate(self.params):
             exposed = views is not None and param.requires_grad and not self._grad_none[i]
             wanted = views[i] if exposed else None  # type: ignore[index]
-            if param.grad is not wanted:
+            shown = param.grad
+            if shown is not wanted:
                 assign_grad(param, wanted)
-            self._grad_ptrs[i] = param.grad.data_ptr() if param.grad is not None else -1
+                shown = param.grad
+            self._grad_ptrs[i] = -1 if shown is None else shown.data_ptr()
 
     def _sharded_grad_views(self, grad: Tensor | None) -> list[Tensor | None] | None:
         if grad is None:
             self._grad_views = None
             return None
         if self._grad_views is None or self._grad_views[0] is not grad:
-            views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
+            views: list[Tensor | None]
+            if not self.shard.sharded and grad.shape == (self.layout.total_numel,):
+                # one split: the same views as ``part_of``'s, with less Python
+                views = list(self.layout.views(grad))
+            else:
+                views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
             self._grad_views = (grad, views)
         return self._grad_views[1]
 
@@ -474,9 +504,10 @@ class OrigParamViews:
         views = (
             self._grad_views[1] if self._grad_views and self._grad_views[0] is flat_grad else None
         )
-        for i, info in enumerate(self.layout.param_infos):
-            param = self.params[i]
-            if self._shown_under(info) is not param:
+        # where ``set_param`` put the name (see [Note: Setting the original names])
+        where = "_parameters" if self.safe_setattr else "__dict__"
+        for i, (info, param) in enumerate(zip(self.layout.param_infos, self.params)):
+            if getattr(info.module, where).get(info.param_name) is not param:
                 return False
             if param.data_ptr() != self._shown_ptrs[i]:
                 return False
@@ -488,13 +519,6 @@ class OrigParamViews:
             if grad is not None and grad.data_ptr() != self._grad_ptrs[i]:
                 return False  # ``.grad.data`` was replaced
         return True
-
-    def _shown_under(self, info: ParamInfo) -> object:
-        """What the module holds under the name, where ``set_param`` put it
-        (see [Note: Setting the original names])."""
-        if self.safe_setattr:
-            return info.module._parameters.get(info.param_name)
-        return info.module.__dict__.get(info.param_name)
 
     def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
         current = getattr(info.module, info.param_name)
