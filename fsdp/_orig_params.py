@@ -29,12 +29,23 @@ shard are built once per shard tensor and re-used (a parameter already viewing
 the right memory is not touched), the gradient views likewise per gradient
 tensor, and the writeback check first compares each name by identity and data
 pointer with what was last shown, which is all that is needed when nothing
-changed; only a mismatch takes the full comparison. Showing a plain tensor (a view
-or a placeholder) under a name where ``delattr`` and ``setattr`` would run
-only ``nn.Module``'s own code writes the module's dicts as that code would,
-without its checks (about ten times cheaper), names moving to the end of their
-dicts as they would; a class that overrides either, or a registration hook,
-still goes through ``setattr``.
+changed; only a mismatch takes the full comparison. Showing a tensor under a
+name where ``hasattr``, ``delattr`` and ``setattr`` would run only
+``nn.Module``'s own code writes the module's dicts as that code would (about
+ten times cheaper): ``__delattr__`` removes the name from the first of
+``_parameters``, the buffers, the submodules and the instance dict that holds
+it; ``__setattr__`` puts a plain tensor in the instance dict, and for an
+``nn.Parameter`` removes the name from the instance dict, the buffers and the
+submodules and registers it at the end of ``_parameters``, names moving to the
+end of their dicts as they would. This holds where the module's class
+overrides none of ``__setattr__``, ``__delattr__``, ``__getattr__`` and
+``__getattribute__`` and has no class attribute of that name, and, for a
+parameter, no global registration hook is set and the parameter is a leaf
+(``register_parameter``'s checks then pass: the name is in no dict any more
+when it looks). Otherwise ``setattr`` runs, with its checks and errors. After a
+``use_orig_params`` forward a name is in both ``_parameters`` and the instance
+dict, where reshard's ``setattr`` found it on every unit and step before this
+path covered it (tests/fsdp/test_orig_param_names.py compares both paths).
 
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
@@ -45,6 +56,7 @@ the flat parameter for the life of the model.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -92,8 +104,15 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None
     """Shows a tensor that is not an ``nn.Parameter`` (a view or a placeholder)."""
     if safe:
         if _plain_module_attribute(module, name):
-            _delete_attribute(module, name)
-            module.__dict__[name] = tensor  # nn.Module.__setattr__ of a plain tensor
+            params, attributes = module._parameters, module.__dict__
+            # _delete_attribute, its usual cases inline
+            if name in params:
+                del params[name]
+            elif name in module._buffers or name in module._modules:
+                _delete_attribute(module, name)
+            else:
+                del attributes[name]  # then set again: the name moves to the end
+            attributes[name] = tensor  # nn.Module.__setattr__ of a plain tensor
         else:
             _safe_setattr(module, name, tensor)
         return
@@ -257,10 +276,13 @@ class OrigParamViews:
             self._show_forward_views()
             return
         views = self._unflattened(flat)
+        if phase is HandleTrainingState.FORWARD and not as_params:
+            self._forward_tensors = list(views)
+            self._name_tensors(self.layout.param_infos, views)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             if as_params:
                 self._set_param_view(i, info, view, flat.requires_grad)
-            else:
+            elif phase is not HandleTrainingState.FORWARD:
                 self._set_tensor_view(i, info, view, phase)
         self._alias_shared()
         self.mode = ViewMode.UNSHARDED_PARAMS if as_params else ViewMode.UNSHARDED_TENSORS
@@ -269,6 +291,8 @@ class OrigParamViews:
         """Each parameter's view of ``flat`` as the module sees it: a tensor-parallel
         parameter's as a DTensor (see [Note: Tensor-parallel parameters])."""
         views = self.layout.views(flat)
+        if not any(self._extensions):
+            return views
         return [DTensorExtensions.unflatten(v, e) for v, e in zip(views, self._extensions)]
 
     def _set_param_view(self, i: int, info: ParamInfo, view: Tensor, requires_grad: bool) -> None:
@@ -282,26 +306,37 @@ class OrigParamViews:
     def _forward_views_fit(self, flat: Tensor) -> bool:
         """Every forward view exists and still views its part of ``flat``."""
         base, size = flat.data_ptr(), flat.element_size()
+        plain = not any(self._extensions)
         for tensor, offset in zip(self._forward_tensors, self.layout.offsets):
-            if tensor is None or local_of(tensor).data_ptr() != base + offset * size:
+            if tensor is None:
+                return False
+            local = tensor if plain else local_of(tensor)
+            if local.data_ptr() != base + offset * size:
                 return False
         return True
 
     def _show_forward_views(self) -> None:
-        for tensor, info in zip(self._forward_tensors, self.layout.param_infos):
-            assert tensor is not None
-            self._name_tensor(info, tensor)
+        tensors = [t for t in self._forward_tensors if t is not None]
+        assert len(tensors) == self.layout.num_params
+        self._name_tensors(self.layout.param_infos, tensors)
         self._alias_shared()
         self.mode = ViewMode.UNSHARDED_TENSORS
 
-    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+    def _name_tensors(self, infos: Sequence[ParamInfo], tensors: Sequence[Tensor]) -> None:
+        """Shows ``tensors`` under the names of ``infos``."""
         if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, tensor, self.safe_setattr)
+            safe = self.safe_setattr
+            for info, tensor in zip(infos, tensors):
+                set_tensor(info.module, info.param_name, tensor, safe)
             return
         # Stays listed (in place, so the order of ``named_parameters()`` is kept):
         # forward code may look its parameters up by name.
-        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
-        object.__setattr__(info.module, info.param_name, tensor)
+        for info, tensor in zip(infos, tensors):
+            info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
+            object.__setattr__(info.module, info.param_name, tensor)
+
+    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+        self._name_tensors((info,), (tensor,))
 
     def _set_tensor_view(
         self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState

@@ -44,6 +44,9 @@ class CommStreams:
     """The streams and events of one root's FSDP tree."""
 
     device: torch.device
+    # ``device``'s index, or None for the current device: an int reaches
+    # ``torch.cuda.current_stream`` without its device parsing (every hook asks)
+    _index: int | None
     unshard: torch.cuda.Stream | None
     reduce: torch.cuda.Stream | None
     limit_all_gathers: bool
@@ -51,6 +54,7 @@ class CommStreams:
 
     def __init__(self, device: torch.device, limit_all_gathers: bool) -> None:
         self.device = device
+        self._index = device.index
         cuda = device.type == "cuda"
         self.unshard = torch.cuda.Stream(device) if cuda else None
         self.reduce = torch.cuda.Stream(device) if cuda else None
@@ -62,7 +66,7 @@ class CommStreams:
         return self.unshard is not None
 
     def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self.device if self._index is None else self._index)
 
     def unshard_waits_for_compute(self) -> None:
         if self.unshard is not None:
