@@ -177,12 +177,16 @@ def _reregister_parameter(module: nn.Module, name: str, param: nn.Parameter) -> 
     submodules, and ``register_parameter`` adds it at the end of
     ``_parameters`` (the order of ``named_parameters()`` and of state dicts
     follows)."""
-    _delete_attribute(module, name)
+    params = module._parameters
+    if name in params:  # the usual case of _delete_attribute, inline
+        del params[name]
+    else:
+        _delete_attribute(module, name)
     module.__dict__.pop(name, None)
     module._buffers.pop(name, None)
     module._modules.pop(name, None)
     module._non_persistent_buffers_set.discard(name)
-    module._parameters[name] = param
+    params[name] = param
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
@@ -427,9 +431,20 @@ class OrigParamViews:
         of the whole parameter) and is shown under its name."""
         views = self._resharded_views(flat_param)
         safe = self.safe_setattr
+        # set_param's checks, those that do not depend on the parameter hoisted
+        unhooked = safe and not _PARAMETER_REGISTRATION_HOOKS
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             assert view is not None
-            set_param(info.module, info.param_name, self._point(i, view), safe)
+            param, module, name = self._point(i, view), info.module, info.param_name
+            if (
+                unhooked
+                and isinstance(param, nn.Parameter)
+                and param.grad_fn is None
+                and _plain_module_attribute(module, name)
+            ):
+                _reregister_parameter(module, name, param)
+            else:
+                set_param(module, name, param, safe)
         self._alias_shared()
 
     def _point(self, i: int, view: Tensor) -> nn.Parameter:
