@@ -26,6 +26,17 @@ stream, so communication overlaps the computation on the current stream.
   third all-gather the CPU waits until the oldest freed buffer's last use ran.
 
 On the CPU (gloo) collectives are synchronous and none of this is needed.
+
+[Note: Switching streams cheaply]
+Every unshard and reduction runs its work on a side stream, three switches per
+unit and step. ``torch.cuda.stream(s)`` finds the current device and its
+current stream through the general device parsing, and also handles a stream
+on another device than the current one. Where the current device is the
+tree's (the usual case) the same switch is done directly: the current stream of
+that device is kept, ``s`` set, and the kept one set again on exit, which is
+all ``torch.cuda.stream`` does there. Where another device is current (the
+user switched devices), or the tree's device has no index, it runs
+``torch.cuda.stream`` itself.
 """
 
 from __future__ import annotations
@@ -72,14 +83,36 @@ class CommStreams:
         if self.unshard is not None:
             self.unshard.wait_stream(self.current())
 
+    def _switch_to(self, stream: torch.cuda.Stream) -> torch.cuda.Stream | torch.cuda.StreamContext:
+        """Makes ``stream`` current; returns what ``_switch_back`` restores (see
+        [Note: Switching streams cheaply])."""
+        index = self._index
+        if index is not None and torch.cuda.current_device() == index:
+            previous = torch.cuda.current_stream(index)
+            torch.cuda.set_stream(stream)
+            return previous
+        context = torch.cuda.stream(stream)
+        context.__enter__()
+        return context
+
+    @staticmethod
+    def _switch_back(previous: torch.cuda.Stream | torch.cuda.StreamContext) -> None:
+        if isinstance(previous, torch.cuda.StreamContext):
+            previous.__exit__(None, None, None)
+        else:
+            torch.cuda.set_stream(previous)
+
     @contextlib.contextmanager
     def on_unshard(self) -> Iterator[None]:
         if self.unshard is None:
             yield
             return
         self._throttle()
-        with torch.cuda.stream(self.unshard):
+        previous = self._switch_to(self.unshard)
+        try:
             yield
+        finally:
+            self._switch_back(previous)
 
     def record_unshard(self) -> torch.cuda.Event | None:
         """An event after the work just issued on the unshard stream."""
@@ -128,8 +161,11 @@ class CommStreams:
         grad.record_stream(self.reduce)
         if set_aside is not None and set_aside.device.type == "cuda":
             set_aside.record_stream(self.reduce)
-        with torch.cuda.stream(self.reduce):
+        previous = self._switch_to(self.reduce)
+        try:
             yield
+        finally:
+            self._switch_back(previous)
 
     def compute_waits_for_reduce(self) -> None:
         if self.reduce is not None:
