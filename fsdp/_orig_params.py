@@ -104,20 +104,48 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None
     """Shows a tensor that is not an ``nn.Parameter`` (a view or a placeholder)."""
     if safe:
         if _plain_module_attribute(module, name):
-            params, attributes = module._parameters, module.__dict__
-            # _delete_attribute, its usual cases inline
-            if name in params:
-                del params[name]
-            elif name in module._buffers or name in module._modules:
-                _delete_attribute(module, name)
-            else:
-                del attributes[name]  # then set again: the name moves to the end
-            attributes[name] = tensor  # nn.Module.__setattr__ of a plain tensor
+            _write_tensor(module, name, tensor)
         else:
             _safe_setattr(module, name, tensor)
         return
     module._parameters.pop(name, None)
     object.__setattr__(module, name, tensor)
+
+
+def set_tensors(infos: Sequence[ParamInfo], tensors: Sequence[Tensor], safe: bool) -> None:
+    """``set_tensor`` for each name in turn, with the class checks of
+    ``_plain_module_attribute`` made once per class and name (nothing but
+    ``setattr`` can change a class meanwhile: after it they are made again)."""
+    if not safe:
+        for info, tensor in zip(infos, tensors):
+            set_tensor(info.module, info.param_name, tensor, False)
+        return
+    plain: dict[tuple[type, str], bool] = {}
+    for info, tensor in zip(infos, tensors):
+        module, name = info.module, info.param_name
+        key = (type(module), name)
+        known = plain.get(key)
+        if known is None:
+            known = plain[key] = _plain_class_attribute(*key)
+        if known and (name in module.__dict__ or name in module._parameters):
+            _write_tensor(module, name, tensor)
+        else:
+            _safe_setattr(module, name, tensor)
+            plain.clear()
+
+
+def _write_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+    """``delattr`` then ``setattr`` of a plain tensor where
+    ``_plain_module_attribute`` holds (see [Note: Cheap between-use
+    bookkeeping]), the usual cases of ``_delete_attribute`` inline."""
+    params, attributes = module._parameters, module.__dict__
+    if name in params:
+        del params[name]
+    elif name in module._buffers or name in module._modules:
+        _delete_attribute(module, name)
+    else:
+        del attributes[name]  # then set again: the name moves to the end
+    attributes[name] = tensor  # nn.Module.__setattr__ of a plain tensor
 
 
 def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
@@ -131,13 +159,18 @@ def _plain_module_attribute(module: nn.Module, name: str) -> bool:
     ``name`` would run only ``nn.Module``'s own code on an instance attribute (no
     attribute method overridden in the module's class, no descriptor of that
     name)."""
-    cls = type(module)
+    return (name in module.__dict__ or name in module._parameters) and _plain_class_attribute(
+        type(module), name
+    )
+
+
+def _plain_class_attribute(cls: type, name: str) -> bool:
+    """``cls`` overrides none of the attribute methods and has no attribute ``name``."""
     return (
         cls.__setattr__ is _MODULE_SETATTR
         and cls.__delattr__ is _MODULE_DELATTR
         and cls.__getattr__ is _MODULE_GETATTR
         and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and (name in module.__dict__ or name in module._parameters)
         and not hasattr(cls, name)
     )
 
@@ -329,9 +362,7 @@ class OrigParamViews:
     def _name_tensors(self, infos: Sequence[ParamInfo], tensors: Sequence[Tensor]) -> None:
         """Shows ``tensors`` under the names of ``infos``."""
         if not self.use_orig_params:
-            safe = self.safe_setattr
-            for info, tensor in zip(infos, tensors):
-                set_tensor(info.module, info.param_name, tensor, safe)
+            set_tensors(infos, tensors, self.safe_setattr)
             return
         # Stays listed (in place, so the order of ``named_parameters()`` is kept):
         # forward code may look its parameters up by name.
@@ -389,8 +420,7 @@ class OrigParamViews:
                 self.refresh_placeholders(
                     local_shard.dtype, local_shard.device, flat_param.requires_grad
                 )
-            for info, placeholder in zip(self.layout.param_infos, self._placeholders):
-                set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
+            set_tensors(self.layout.param_infos, self._placeholders, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
@@ -419,11 +449,13 @@ class OrigParamViews:
             self._show_shard_views(flat_param)
             return
         views = self._resharded_views(flat_param)
-        safe = self.safe_setattr
-        for view, info, extension in zip(views, self.layout.param_infos, self._extensions):
-            assert view is not None
-            shown = view if extension is None else DTensorExtensions.unflatten(view, extension)
-            set_tensor(info.module, info.param_name, shown, safe)
+        shown = [
+            view if extension is None else DTensorExtensions.unflatten(view, extension)
+            for view, extension in zip(views, self._extensions)
+            if view is not None
+        ]
+        assert len(shown) == self.layout.num_params
+        set_tensors(self.layout.param_infos, shown, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, flat_param: FlatParameter) -> None:

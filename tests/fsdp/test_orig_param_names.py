@@ -129,3 +129,28 @@ def test_overrides_and_hooks_take_setattr() -> None:
     assert not _orig_params._plain_parameter_name(plain, "weight", non_leaf)
     with pytest.raises(ValueError, match="non-leaf Tensor"):
         _orig_params.set_param(plain, "weight", non_leaf, safe=True)
+
+
+def test_set_tensors_is_set_tensor_in_turn() -> None:
+    """The batched form leaves every module as ``set_tensor`` one by one does,
+    also with a class that overrides ``__setattr__`` among plain ones."""
+    from fsdp._layout import ParamInfo
+
+    def modules() -> list[nn.Linear]:
+        torch.manual_seed(0)
+        built = [nn.Linear(3, 2), _CountingSetattr(3, 2), nn.Linear(3, 2)]
+        for module in built:
+            _plain_view(module)
+        return built
+
+    batched, reference = modules(), modules()
+    tensors = [torch.ones(2, 3) for _ in batched]
+    infos = [ParamInfo("weight", m, f"m{i}") for i, m in enumerate(batched)]
+    before = _CountingSetattr.calls
+    _orig_params.set_tensors(infos, tensors, safe=True)
+    assert _CountingSetattr.calls == before + 1
+    for module, tensor in zip(reference, tensors):
+        _orig_params.set_tensor(module, "weight", tensor, safe=True)
+    for fast, slow, tensor in zip(batched, reference, tensors):
+        assert _state(fast)[:4] == _state(slow)[:4]  # the names (the objects differ)
+        assert fast.weight is tensor and slow.weight is tensor
