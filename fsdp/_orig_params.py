@@ -56,7 +56,7 @@ the flat parameter for the life of the model.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -113,25 +113,55 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None
 
 
 def set_tensors(infos: Sequence[ParamInfo], tensors: Sequence[Tensor], safe: bool) -> None:
-    """``set_tensor`` for each name in turn, with the class checks of
-    ``_plain_module_attribute`` made once per class and name (nothing but
-    ``setattr`` can change a class meanwhile: after it they are made again)."""
+    """``set_tensor`` for each name in turn (see ``_ClassChecks``)."""
     if not safe:
         for info, tensor in zip(infos, tensors):
             set_tensor(info.module, info.param_name, tensor, False)
         return
-    plain: dict[tuple[type, str], bool] = {}
+    checks = _ClassChecks()
     for info, tensor in zip(infos, tensors):
         module, name = info.module, info.param_name
-        key = (type(module), name)
-        known = plain.get(key)
-        if known is None:
-            known = plain[key] = _plain_class_attribute(*key)
-        if known and (name in module.__dict__ or name in module._parameters):
+        if checks.plain(module, name):
             _write_tensor(module, name, tensor)
         else:
             _safe_setattr(module, name, tensor)
-            plain.clear()
+            checks.forget()
+
+
+def set_params(infos: Sequence[ParamInfo], params: Iterable[nn.Parameter], safe: bool) -> None:
+    """``set_param`` for each name in turn (see ``_ClassChecks``); ``params`` is
+    consumed one parameter per name, after the previous name was set."""
+    checks = _ClassChecks()
+    for info, param in zip(infos, params):
+        module, name = info.module, info.param_name
+        if safe and _plain_parameter(param) and checks.plain(module, name):
+            _reregister_parameter(module, name, param)
+        else:
+            set_param(module, name, param, safe)
+            checks.forget()
+
+
+class _ClassChecks:
+    """``_plain_module_attribute`` over the names of one unit: its class checks
+    made once per class and name. Nothing but ``setattr`` (a class's own code)
+    can change a class meanwhile; after it, ``forget`` makes them again."""
+
+    __slots__ = ("_known",)
+
+    _known: dict[tuple[type, str], bool]
+
+    def __init__(self) -> None:
+        self._known = {}
+
+    def plain(self, module: nn.Module, name: str) -> bool:
+        key = (type(module), name)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = _plain_class_attribute(*key)
+        return known and (name in module.__dict__ or name in module._parameters)
+
+    def forget(self) -> None:
+        self._known.clear()
 
 
 def _write_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
@@ -180,11 +210,15 @@ def _plain_parameter_name(module: nn.Module, name: str, param: nn.Parameter) -> 
     ``name`` would run only ``nn.Module``'s own code and pass its checks (a
     leaf ``nn.Parameter``, no registration hook): the name only leaves the
     module's dicts and is registered again (see ``_reregister_parameter``)."""
+    return _plain_parameter(param) and _plain_module_attribute(module, name)
+
+
+def _plain_parameter(param: nn.Parameter) -> bool:
+    """``register_parameter`` takes ``param`` without error or hook."""
     return (
         not _PARAMETER_REGISTRATION_HOOKS
         and isinstance(param, nn.Parameter)
         and param.grad_fn is None
-        and _plain_module_attribute(module, name)
     )
 
 
@@ -462,27 +496,15 @@ class OrigParamViews:
         """Each original parameter views its part of the local shard (``NO_SHARD``:
         of the whole parameter) and is shown under its name."""
         views = self._resharded_views(flat_param)
-        safe = self.safe_setattr
-        # set_param's checks, those that do not depend on the parameter hoisted
-        unhooked = safe and not _PARAMETER_REGISTRATION_HOOKS
-        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
-            assert view is not None
-            param, module, name = self._point(i, view), info.module, info.param_name
-            if (
-                unhooked
-                and isinstance(param, nn.Parameter)
-                and param.grad_fn is None
-                and _plain_module_attribute(module, name)
-            ):
-                _reregister_parameter(module, name, param)
-            else:
-                set_param(module, name, param, safe)
+        pointed = (self._point(i, view) for i, view in enumerate(views))  # lazily, in turn
+        set_params(self.layout.param_infos, pointed, self.safe_setattr)
         self._alias_shared()
 
-    def _point(self, i: int, view: Tensor) -> nn.Parameter:
+    def _point(self, i: int, view: Tensor | None) -> nn.Parameter:
         """``params[i].data = view`` unless it already views that memory (an empty
         view has no memory: its dtype and device must match, e.g. after ``.half()``);
         returns ``params[i]``."""
+        assert view is not None
         param = self.params[i]
         ptr = view.data_ptr()
         if (
