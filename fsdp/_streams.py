@@ -24,6 +24,11 @@ stream, so communication overlaps the computation on the current stream.
   At the end of backward the current stream waits for the reduce stream.
 - ``limit_all_gathers``: at most two unsharded buffers are in flight; before a
   third all-gather the CPU waits until the oldest freed buffer's last use ran.
+  Only a reshard that frees an all-gather's output counts (torch's FSDP's
+  rule): not one that keeps the unsharded parameter, nor any ``NO_SHARD``
+  reshard, whose low-precision copy is a cast, not an all-gather. Counting
+  those made every ``NO_SHARD`` unshard under mixed precision wait for the
+  device, so the CPU could not run ahead of it.
 
 On the CPU (gloo) collectives are synchronous and none of this is needed.
 
@@ -131,16 +136,17 @@ class CommStreams:
         if self.unshard is not None:
             self.current().wait_stream(self.unshard)
 
-    def release(self, tensors: list[Tensor]) -> None:
+    def release(self, tensors: list[Tensor], frees_gathered: bool = True) -> None:
         """``tensors`` (allocated on the unshard stream) are about to be freed
-        after use on the current stream."""
+        after use on the current stream; ``frees_gathered``: among them an
+        all-gather's output, which ``limit_all_gathers`` counts."""
         if self.unshard is None or not tensors:
             return
         current = self.current()
         for tensor in tensors:
             if tensor.untyped_storage().size() > 0:
                 tensor.record_stream(current)
-        if self.limit_all_gathers:
+        if self.limit_all_gathers and frees_gathered:
             event = torch.cuda.Event()
             event.record(current)
             self._free_events.append(event)

@@ -93,3 +93,28 @@ def test_stream_restored_when_the_work_raises(fake_cuda: _FakeCuda) -> None:
     with pytest.raises(RuntimeError, match="inside"), _streams().on_unshard():
         raise RuntimeError("inside")
     assert fake_cuda.current_stream() == "user0"
+
+
+class _FakeEvent:
+    stream: str = ""
+
+    def record(self, stream: str) -> None:
+        self.stream = stream
+
+
+def test_only_freed_all_gather_outputs_count_for_limit_all_gathers(
+    fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reshard that frees no all-gather output (NO_SHARD's cast copy, a kept
+    unsharded parameter) leaves the rate limiter's count alone, as torch's does."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    streams = _streams()
+    streams.limit_all_gathers = True
+    freed = [torch.empty(0)]  # no storage left: nothing to record on the stream
+    streams.release(freed, frees_gathered=False)
+    assert len(streams._free_events) == 0
+    streams.release(freed, frees_gathered=True)
+    streams.release(freed)
+    events = list(streams._free_events)
+    assert len(events) == 2
+    assert all(isinstance(e, _FakeEvent) and e.stream == "default0" for e in events)
