@@ -4,14 +4,20 @@ Usage::
 
     python bench/unit_overhead.py                       # 64 units, use_orig_params both ways
     python bench/unit_overhead.py --units 64 --width 16 --steps 200 --profile
+    python bench/unit_overhead.py --world-size 1 --linears 6   # NO_SHARD, 12 parameters a unit
 
-One process on the CPU in torch's fake process group of two ranks (one rank
-would make FSDP switch to ``NO_SHARD``): its collectives return at once, so
-what is timed is FSDP's own Python work, not communication or a second process
-competing for the cores. The model is ``--units`` blocks
-of ``Linear(width, width)`` + ReLU, each block its own FSDP unit (FULL_SHARD)
-under a root, fed a batch of one. The layers are so small that a step is almost
-only Python bookkeeping. Printed per mode:
+One process on the CPU in torch's fake process group of ``--world-size`` ranks
+(default two): its collectives return at once, so what is timed is FSDP's own
+Python work, not communication or a second process competing for the cores.
+At world size 1 FSDP switches to ``NO_SHARD`` (as torch's FSDP does), the path
+of the single-GPU benchmark (``bench/fsdp_step.py --world-size 1``). The model
+is ``--units`` blocks of ``--linears`` ``Linear(width, width)`` + ReLU (two
+parameters each; ``--linears 6`` gives the 12 of a transformer block), each
+block its own FSDP unit (FULL_SHARD, or NO_SHARD at world size 1) under a
+root, fed a batch of one; ``--bf16`` adds the GPU benchmark's mixed precision
+(bf16 parameters, fp32 reduction: each unshard then casts, also for
+``NO_SHARD``; the model without FSDP stays in fp32). The layers are so small
+that a step is almost only Python bookkeeping. Printed per mode:
 
 - ``step``: median CPU time (``time.process_time``: less sensitive than wall
   time to other processes on a loaded machine) of forward + backward +
@@ -50,21 +56,29 @@ TIMED = (*HOOKS, "finalize_backward")
 
 
 class Block(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, linears: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(width, width)
+        self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.linear(x))
+        for linear in self.linears:
+            x = torch.relu(linear(x))
+        return x
 
 
-def build(units: int, width: int, wrap: bool, use_orig_params: bool) -> nn.Module:
+def build(args: argparse.Namespace, wrap: bool, use_orig_params: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block(width) for _ in range(units)))
+    model = nn.Sequential(*(Block(args.width, args.linears) for _ in range(args.units)))
     if not wrap:
         return model
+    mixed = None
+    if args.bf16:  # the GPU benchmark's policy
+        mixed = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return fsdp.FullyShardedDataParallel(
-        model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=use_orig_params
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        mixed_precision=mixed,
+        use_orig_params=use_orig_params,
     )
 
 
@@ -130,12 +144,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--units", type=int, default=64)
     parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--linears", type=int, default=1, help="Linear layers per unit")
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="fake ranks (1: FSDP switches to NO_SHARD)"
+    )
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--bf16", action="store_true", help="MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)"
+    )
     parser.add_argument("--hooks", action="store_true", help="time each hook")
     parser.add_argument("--profile", action="store_true", help="cProfile the hooks")
     args = parser.parse_args()
+    for name in ("units", "width", "linears", "steps", "world_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     try:
         run(args)
     finally:
@@ -144,15 +168,18 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     x = torch.randn(1, args.width, requires_grad=True)
-    plain = median_step(build(args.units, args.width, False, False), x, args.steps)
+    plain = median_step(build(args, False, False), x, args.steps)
     print(
-        f"units {args.units}, width {args.width}, {args.steps} steps; without FSDP {plain * 1e3:.2f} ms"
+        f"units {args.units} of {args.linears} Linear({args.width}, {args.width}), "
+        f"world size {args.world_size}{', bf16' if args.bf16 else ''}, {args.steps} steps; without FSDP {plain * 1e3:.2f} ms"
     )
     for use_orig_params in (False, True):
-        model = build(args.units, args.width, True, use_orig_params)
+        model = build(args, True, use_orig_params)
+        assert isinstance(model, fsdp.FullyShardedDataParallel)
+        strategy = model.sharding_strategy.name
         median = median_step(model, x, args.steps)
         per_unit = (median - plain) / args.units * 1e6
-        line = f"use_orig_params={use_orig_params!s:5}: step {median * 1e3:.2f} ms, per unit {per_unit:.0f} us"
+        line = f"{strategy} use_orig_params={use_orig_params!s:5}: step {median * 1e3:.2f} ms, per unit {per_unit:.0f} us"
         scale = 1e6 / (args.steps * args.units)
         if args.hooks:
             spent = timed_hooks(model, x, args.steps)

@@ -607,11 +607,11 @@ class FlatParamHandle:
         frees the unsharded storage (recorded on the current stream first, so
         no pending kernel loses it); otherwise it is kept for the next unshard.
         Without ``use_sharded_views`` (use_orig_params, no-reshard strategies
-        after forward) the original parameters keep forward's views. Tests patch
-        this seam."""
+        after forward) the original parameters keep forward's views (a seam tests patch)."""
         storage = self.storage
         if self._streams is not None and self._streams.is_cuda:
-            self._streams.release(storage.buffers_freed_by_reshard(free_unsharded))
+            gathered = free_unsharded and self.uses_sharded_strategy  # see fsdp._streams
+            self._streams.release(storage.buffers_freed_by_reshard(free_unsharded), gathered)
         forward_data = storage.reshard(free_unsharded)
         self.prefetched = self._forward_views_prefetched = False
         if self._use_orig_params and not use_sharded_views:

@@ -28,6 +28,7 @@ one addition per parameter.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,8 +138,20 @@ class FlatParamLayout:
         """Each parameter's view of an unsharded flat tensor (see [Note: Views
         from one split])."""
         segments = flat.split_with_sizes(self.numels_with_padding)  # torch.split, less Python
-        pieces = [s for s, pad in zip(segments, self.is_padding_mask) if not pad]
-        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+        return [segments[j].view(shape) for j, shape in self._view_plan]
+
+    @functools.cached_property
+    def _view_plan(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Each parameter's segment index and its shape as a plain tuple, which
+        ``Tensor.view`` parses faster than a ``torch.Size`` (about a microsecond
+        on every view of every unshard)."""
+        segments = [j for j, pad in enumerate(self.is_padding_mask) if not pad]
+        return tuple(zip(segments, self.view_shapes))
+
+    @functools.cached_property
+    def view_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``shapes`` as plain tuples (see ``_view_plan``)."""
+        return tuple(tuple(shape) for shape in self.shapes)
 
     @property
     def num_params(self) -> int:
@@ -207,7 +220,7 @@ class ShardLayout:
             return None
         start, numel = found
         piece = local[start : start + numel]
-        return piece if self.sharded else piece.view(self.layout.shapes[i])
+        return piece if self.sharded else piece.view(self.layout.view_shapes[i])
 
     def metadata(self) -> FlatParamShardMetadata:
         return shard_metadata(self.layout, self.param_infos)

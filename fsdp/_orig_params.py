@@ -29,12 +29,23 @@ shard are built once per shard tensor and re-used (a parameter already viewing
 the right memory is not touched), the gradient views likewise per gradient
 tensor, and the writeback check first compares each name by identity and data
 pointer with what was last shown, which is all that is needed when nothing
-changed; only a mismatch takes the full comparison. Showing a plain tensor (a view
-or a placeholder) under a name where ``delattr`` and ``setattr`` would run
-only ``nn.Module``'s own code writes the module's dicts as that code would,
-without its checks (about ten times cheaper), names moving to the end of their
-dicts as they would; a class that overrides either, or a registration hook,
-still goes through ``setattr``.
+changed; only a mismatch takes the full comparison. Showing a tensor under a
+name where ``hasattr``, ``delattr`` and ``setattr`` would run only
+``nn.Module``'s own code writes the module's dicts as that code would (about
+ten times cheaper): ``__delattr__`` removes the name from the first of
+``_parameters``, the buffers, the submodules and the instance dict that holds
+it; ``__setattr__`` puts a plain tensor in the instance dict, and for an
+``nn.Parameter`` removes the name from the instance dict, the buffers and the
+submodules and registers it at the end of ``_parameters``, names moving to the
+end of their dicts as they would. This holds where the module's class
+overrides none of ``__setattr__``, ``__delattr__``, ``__getattr__`` and
+``__getattribute__`` and has no class attribute of that name, and, for a
+parameter, no global registration hook is set and the parameter is a leaf
+(``register_parameter``'s checks then pass: the name is in no dict any more
+when it looks). Otherwise ``setattr`` runs, with its checks and errors. After a
+``use_orig_params`` forward a name is in both ``_parameters`` and the instance
+dict, where reshard's ``setattr`` found it on every unit and step before this
+path covered it (tests/fsdp/test_orig_param_names.py compares both paths).
 
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
@@ -45,6 +56,7 @@ the flat parameter for the life of the model.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -77,11 +89,8 @@ class ViewMode(enum.Enum):
 def set_param(module: nn.Module, name: str, param: nn.Parameter, safe: bool) -> None:
     """See [Note: Setting the original names]."""
     if safe:
-        if _parameter_registered(module, name):
-            # delattr then setattr: the name moves to the end of ``_parameters``
-            # (the order of ``named_parameters()`` and of state dicts follows).
-            del module._parameters[name]
-            module._parameters[name] = param
+        if _plain_parameter_name(module, name, param):
+            _reregister_parameter(module, name, param)
         else:
             _safe_setattr(module, name, param)
         return
@@ -95,12 +104,78 @@ def set_tensor(module: nn.Module, name: str, tensor: Tensor, safe: bool) -> None
     """Shows a tensor that is not an ``nn.Parameter`` (a view or a placeholder)."""
     if safe:
         if _plain_module_attribute(module, name):
-            _replace_tensor_attribute(module, name, tensor)
+            _write_tensor(module, name, tensor)
         else:
             _safe_setattr(module, name, tensor)
         return
     module._parameters.pop(name, None)
     object.__setattr__(module, name, tensor)
+
+
+def set_tensors(infos: Sequence[ParamInfo], tensors: Sequence[Tensor], safe: bool) -> None:
+    """``set_tensor`` for each name in turn (see ``_ClassChecks``)."""
+    if not safe:
+        for info, tensor in zip(infos, tensors):
+            set_tensor(info.module, info.param_name, tensor, False)
+        return
+    checks = _ClassChecks()
+    for info, tensor in zip(infos, tensors):
+        module, name = info.module, info.param_name
+        if checks.plain(module, name):
+            _write_tensor(module, name, tensor)
+        else:
+            _safe_setattr(module, name, tensor)
+            checks.forget()
+
+
+def set_params(infos: Sequence[ParamInfo], params: Iterable[nn.Parameter], safe: bool) -> None:
+    """``set_param`` for each name in turn (see ``_ClassChecks``); ``params`` is
+    consumed one parameter per name, after the previous name was set."""
+    checks = _ClassChecks()
+    for info, param in zip(infos, params):
+        module, name = info.module, info.param_name
+        if safe and _plain_parameter(param) and checks.plain(module, name):
+            _reregister_parameter(module, name, param)
+        else:
+            set_param(module, name, param, safe)
+            checks.forget()
+
+
+class _ClassChecks:
+    """``_plain_module_attribute`` over the names of one unit: its class checks
+    made once per class and name. Nothing but ``setattr`` (a class's own code)
+    can change a class meanwhile; after it, ``forget`` makes them again."""
+
+    __slots__ = ("_known",)
+
+    _known: dict[tuple[type, str], bool]
+
+    def __init__(self) -> None:
+        self._known = {}
+
+    def plain(self, module: nn.Module, name: str) -> bool:
+        key = (type(module), name)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = _plain_class_attribute(*key)
+        return known and (name in module.__dict__ or name in module._parameters)
+
+    def forget(self) -> None:
+        self._known.clear()
+
+
+def _write_tensor(module: nn.Module, name: str, tensor: Tensor) -> None:
+    """``delattr`` then ``setattr`` of a plain tensor where
+    ``_plain_module_attribute`` holds (see [Note: Cheap between-use
+    bookkeeping]), the usual cases of ``_delete_attribute`` inline."""
+    params, attributes = module._parameters, module.__dict__
+    if name in params:
+        del params[name]
+    elif name in module._buffers or name in module._modules:
+        _delete_attribute(module, name)
+    else:
+        del attributes[name]  # then set again: the name moves to the end
+    attributes[name] = tensor  # nn.Module.__setattr__ of a plain tensor
 
 
 def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
@@ -110,35 +185,47 @@ def _safe_setattr(module: nn.Module, name: str, value: Tensor) -> None:
 
 
 def _plain_module_attribute(module: nn.Module, name: str) -> bool:
-    """Whether ``delattr`` then ``setattr`` of a plain tensor under ``name``
-    would run only ``nn.Module``'s own code on an instance attribute (no
-    override in the module's class, no descriptor of that name)."""
-    cls = type(module)
+    """Whether ``hasattr``, ``delattr`` then ``setattr`` of a plain tensor under
+    ``name`` would run only ``nn.Module``'s own code on an instance attribute (no
+    attribute method overridden in the module's class, no descriptor of that
+    name)."""
+    return (name in module.__dict__ or name in module._parameters) and _plain_class_attribute(
+        type(module), name
+    )
+
+
+def _plain_class_attribute(cls: type, name: str) -> bool:
+    """``cls`` overrides none of the attribute methods and has no attribute ``name``."""
     return (
         cls.__setattr__ is _MODULE_SETATTR
         and cls.__delattr__ is _MODULE_DELATTR
-        and (name in module.__dict__ or name in module._parameters)
+        and cls.__getattr__ is _MODULE_GETATTR
+        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
         and not hasattr(cls, name)
     )
 
 
-def _parameter_registered(module: nn.Module, name: str) -> bool:
-    """Whether ``delattr`` then ``setattr`` of an ``nn.Parameter`` under
-    ``name`` would only take the name out of ``_parameters`` and register it
-    again (only ``nn.Module``'s own code, no registration hook)."""
+def _plain_parameter_name(module: nn.Module, name: str, param: nn.Parameter) -> bool:
+    """Whether ``hasattr``, ``delattr`` then ``setattr`` of ``param`` under
+    ``name`` would run only ``nn.Module``'s own code and pass its checks (a
+    leaf ``nn.Parameter``, no registration hook): the name only leaves the
+    module's dicts and is registered again (see ``_reregister_parameter``)."""
+    return _plain_parameter(param) and _plain_module_attribute(module, name)
+
+
+def _plain_parameter(param: nn.Parameter) -> bool:
+    """``register_parameter`` takes ``param`` without error or hook."""
     return (
-        name in module._parameters
-        and not _PARAMETER_REGISTRATION_HOOKS
-        and _plain_module_attribute(module, name)
-        and name not in module.__dict__
+        not _PARAMETER_REGISTRATION_HOOKS
+        and isinstance(param, nn.Parameter)
+        and param.grad_fn is None
     )
 
 
-def _replace_tensor_attribute(module: nn.Module, name: str, value: Tensor) -> None:
-    """What ``nn.Module.__delattr__`` then ``nn.Module.__setattr__`` do for a
-    plain tensor (see [Note: Cheap between-use bookkeeping]): the name leaves
-    ``_parameters`` (or the buffers or submodules) and becomes an instance
-    attribute."""
+def _delete_attribute(module: nn.Module, name: str) -> None:
+    """What ``nn.Module.__delattr__`` does (see [Note: Cheap between-use
+    bookkeeping]): the first of ``_parameters``, the buffers, the submodules
+    and the instance dict that holds the name loses it."""
     if name in module._parameters:
         del module._parameters[name]
     elif name in module._buffers:
@@ -148,11 +235,31 @@ def _replace_tensor_attribute(module: nn.Module, name: str, value: Tensor) -> No
         del module._modules[name]
     else:
         del module.__dict__[name]  # object.__delattr__
-    module.__dict__[name] = value
+
+
+def _reregister_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """``delattr`` then ``setattr`` of a parameter, as ``nn.Module`` does them
+    where ``_plain_parameter_name`` holds: the name leaves whichever dict held
+    it, ``__setattr__`` takes it out of the instance dict, the buffers and the
+    submodules, and ``register_parameter`` adds it at the end of
+    ``_parameters`` (the order of ``named_parameters()`` and of state dicts
+    follows)."""
+    params = module._parameters
+    if name in params:  # the usual case of _delete_attribute, inline
+        del params[name]
+    else:
+        _delete_attribute(module, name)
+    module.__dict__.pop(name, None)
+    module._buffers.pop(name, None)
+    module._modules.pop(name, None)
+    module._non_persistent_buffers_set.discard(name)
+    params[name] = param
 
 
 _MODULE_SETATTR = nn.Module.__setattr__
 _MODULE_DELATTR = nn.Module.__delattr__
+_MODULE_GETATTR = nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE = object.__getattribute__
 # nn.Module's global parameter registration hooks (a private dict: when a torch
 # version lacks it, every parameter goes through setattr).
 _PARAMETER_REGISTRATION_HOOKS = getattr(
@@ -240,10 +347,13 @@ class OrigParamViews:
             self._show_forward_views()
             return
         views = self._unflattened(flat)
+        if phase is HandleTrainingState.FORWARD and not as_params:
+            self._forward_tensors = list(views)
+            self._name_tensors(self.layout.param_infos, views)
         for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
             if as_params:
                 self._set_param_view(i, info, view, flat.requires_grad)
-            else:
+            elif phase is not HandleTrainingState.FORWARD:
                 self._set_tensor_view(i, info, view, phase)
         self._alias_shared()
         self.mode = ViewMode.UNSHARDED_PARAMS if as_params else ViewMode.UNSHARDED_TENSORS
@@ -252,6 +362,8 @@ class OrigParamViews:
         """Each parameter's view of ``flat`` as the module sees it: a tensor-parallel
         parameter's as a DTensor (see [Note: Tensor-parallel parameters])."""
         views = self.layout.views(flat)
+        if not any(self._extensions):
+            return views
         return [DTensorExtensions.unflatten(v, e) for v, e in zip(views, self._extensions)]
 
     def _set_param_view(self, i: int, info: ParamInfo, view: Tensor, requires_grad: bool) -> None:
@@ -265,26 +377,35 @@ class OrigParamViews:
     def _forward_views_fit(self, flat: Tensor) -> bool:
         """Every forward view exists and still views its part of ``flat``."""
         base, size = flat.data_ptr(), flat.element_size()
+        plain = not any(self._extensions)
         for tensor, offset in zip(self._forward_tensors, self.layout.offsets):
-            if tensor is None or local_of(tensor).data_ptr() != base + offset * size:
+            if tensor is None:
+                return False
+            local = tensor if plain else local_of(tensor)
+            if local.data_ptr() != base + offset * size:
                 return False
         return True
 
     def _show_forward_views(self) -> None:
-        for tensor, info in zip(self._forward_tensors, self.layout.param_infos):
-            assert tensor is not None
-            self._name_tensor(info, tensor)
+        tensors = [t for t in self._forward_tensors if t is not None]
+        assert len(tensors) == self.layout.num_params
+        self._name_tensors(self.layout.param_infos, tensors)
         self._alias_shared()
         self.mode = ViewMode.UNSHARDED_TENSORS
 
-    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+    def _name_tensors(self, infos: Sequence[ParamInfo], tensors: Sequence[Tensor]) -> None:
+        """Shows ``tensors`` under the names of ``infos``."""
         if not self.use_orig_params:
-            set_tensor(info.module, info.param_name, tensor, self.safe_setattr)
+            set_tensors(infos, tensors, self.safe_setattr)
             return
         # Stays listed (in place, so the order of ``named_parameters()`` is kept):
         # forward code may look its parameters up by name.
-        info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
-        object.__setattr__(info.module, info.param_name, tensor)
+        for info, tensor in zip(infos, tensors):
+            info.module._parameters[info.param_name] = tensor  # type: ignore[assignment]
+            object.__setattr__(info.module, info.param_name, tensor)
+
+    def _name_tensor(self, info: ParamInfo, tensor: Tensor) -> None:
+        self._name_tensors((info,), (tensor,))
 
     def _set_tensor_view(
         self, i: int, info: ParamInfo, view: Tensor, phase: HandleTrainingState
@@ -333,8 +454,7 @@ class OrigParamViews:
                 self.refresh_placeholders(
                     local_shard.dtype, local_shard.device, flat_param.requires_grad
                 )
-            for info, placeholder in zip(self.layout.param_infos, self._placeholders):
-                set_tensor(info.module, info.param_name, placeholder, self.safe_setattr)
+            set_tensors(self.layout.param_infos, self._placeholders, self.safe_setattr)
             self._alias_shared()
         self.mode = ViewMode.RESHARDED
 
@@ -359,37 +479,44 @@ class OrigParamViews:
         return self._resharded[2]
 
     def _show_no_shard(self, flat_param: FlatParameter) -> None:
+        if self.use_orig_params:
+            self._show_shard_views(flat_param)
+            return
         views = self._resharded_views(flat_param)
-        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
-            assert view is not None
-            if self.use_orig_params:
-                self._point(i, view)
-                set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
-            else:
-                shown = DTensorExtensions.unflatten(view, self._extensions[i])
-                set_tensor(info.module, info.param_name, shown, self.safe_setattr)
+        shown = [
+            view if extension is None else DTensorExtensions.unflatten(view, extension)
+            for view, extension in zip(views, self._extensions)
+            if view is not None
+        ]
+        assert len(shown) == self.layout.num_params
+        set_tensors(self.layout.param_infos, shown, self.safe_setattr)
         self._alias_shared()
 
     def _show_shard_views(self, flat_param: FlatParameter) -> None:
+        """Each original parameter views its part of the local shard (``NO_SHARD``:
+        of the whole parameter) and is shown under its name."""
         views = self._resharded_views(flat_param)
-        for i, (view, info) in enumerate(zip(views, self.layout.param_infos)):
-            assert view is not None
-            self._point(i, view)
-            set_param(info.module, info.param_name, self.params[i], self.safe_setattr)
+        pointed = (self._point(i, view) for i, view in enumerate(views))  # lazily, in turn
+        set_params(self.layout.param_infos, pointed, self.safe_setattr)
         self._alias_shared()
 
-    def _point(self, i: int, view: Tensor) -> None:
+    def _point(self, i: int, view: Tensor | None) -> nn.Parameter:
         """``params[i].data = view`` unless it already views that memory (an empty
-        view has no memory: its dtype and device must match, e.g. after ``.half()``)."""
+        view has no memory: its dtype and device must match, e.g. after ``.half()``);
+        returns ``params[i]``."""
+        assert view is not None
         param = self.params[i]
+        ptr = view.data_ptr()
         if (
-            param.data_ptr() != view.data_ptr()
+            param.data_ptr() != ptr
             or param.shape != view.shape
             or param.dtype != view.dtype
             or param.device != view.device
         ):
             param.data = view
-        self._shown_ptrs[i] = param.data_ptr()
+            ptr = param.data_ptr()
+        self._shown_ptrs[i] = ptr
+        return param
 
     def release(self) -> None:
         """Removes every original name from its module (around ``module._apply``)."""
@@ -410,16 +537,23 @@ class OrigParamViews:
         for i, param in enumerate(self.params):
             exposed = views is not None and param.requires_grad and not self._grad_none[i]
             wanted = views[i] if exposed else None  # type: ignore[index]
-            if param.grad is not wanted:
+            shown = param.grad
+            if shown is not wanted:
                 assign_grad(param, wanted)
-            self._grad_ptrs[i] = param.grad.data_ptr() if param.grad is not None else -1
+                shown = param.grad
+            self._grad_ptrs[i] = -1 if shown is None else shown.data_ptr()
 
     def _sharded_grad_views(self, grad: Tensor | None) -> list[Tensor | None] | None:
         if grad is None:
             self._grad_views = None
             return None
         if self._grad_views is None or self._grad_views[0] is not grad:
-            views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
+            views: list[Tensor | None]
+            if not self.shard.sharded and grad.shape == (self.layout.total_numel,):
+                # one split: the same views as ``part_of``'s, with less Python
+                views = list(self.layout.views(grad))
+            else:
+                views = [self.shard.part_of(i, grad) for i in range(self.layout.num_params)]
             self._grad_views = (grad, views)
         return self._grad_views[1]
 
@@ -474,9 +608,10 @@ class OrigParamViews:
         views = (
             self._grad_views[1] if self._grad_views and self._grad_views[0] is flat_grad else None
         )
-        for i, info in enumerate(self.layout.param_infos):
-            param = self.params[i]
-            if self._shown_under(info) is not param:
+        # where ``set_param`` put the name (see [Note: Setting the original names])
+        where = "_parameters" if self.safe_setattr else "__dict__"
+        for i, (info, param) in enumerate(zip(self.layout.param_infos, self.params)):
+            if getattr(info.module, where).get(info.param_name) is not param:
                 return False
             if param.data_ptr() != self._shown_ptrs[i]:
                 return False
@@ -488,13 +623,6 @@ class OrigParamViews:
             if grad is not None and grad.data_ptr() != self._grad_ptrs[i]:
                 return False  # ``.grad.data`` was replaced
         return True
-
-    def _shown_under(self, info: ParamInfo) -> object:
-        """What the module holds under the name, where ``set_param`` put it
-        (see [Note: Setting the original names])."""
-        if self.safe_setattr:
-            return info.module._parameters.get(info.param_name)
-        return info.module.__dict__.get(info.param_name)
 
     def _writeback_param(self, i: int, info: ParamInfo, flat_param: FlatParameter) -> bool:
         current = getattr(info.module, info.param_name)

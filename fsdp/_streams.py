@@ -24,8 +24,24 @@ stream, so communication overlaps the computation on the current stream.
   At the end of backward the current stream waits for the reduce stream.
 - ``limit_all_gathers``: at most two unsharded buffers are in flight; before a
   third all-gather the CPU waits until the oldest freed buffer's last use ran.
+  Only a reshard that frees an all-gather's output counts (torch's FSDP's
+  rule): not one that keeps the unsharded parameter, nor any ``NO_SHARD``
+  reshard, whose low-precision copy is a cast, not an all-gather. Counting
+  those made every ``NO_SHARD`` unshard under mixed precision wait for the
+  device, so the CPU could not run ahead of it.
 
 On the CPU (gloo) collectives are synchronous and none of this is needed.
+
+[Note: Switching streams cheaply]
+Every unshard and reduction runs its work on a side stream, three switches per
+unit and step. ``torch.cuda.stream(s)`` finds the current device and its
+current stream through the general device parsing, and also handles a stream
+on another device than the current one. Where the current device is the
+tree's (the usual case) the same switch is done directly: the current stream of
+that device is kept, ``s`` set, and the kept one set again on exit, which is
+all ``torch.cuda.stream`` does there. Where another device is current (the
+user switched devices), or the tree's device has no index, it runs
+``torch.cuda.stream`` itself.
 """
 
 from __future__ import annotations
@@ -44,6 +60,9 @@ class CommStreams:
     """The streams and events of one root's FSDP tree."""
 
     device: torch.device
+    # ``device``'s index, or None for the current device: an int reaches
+    # ``torch.cuda.current_stream`` without its device parsing (every hook asks)
+    _index: int | None
     unshard: torch.cuda.Stream | None
     reduce: torch.cuda.Stream | None
     limit_all_gathers: bool
@@ -51,6 +70,7 @@ class CommStreams:
 
     def __init__(self, device: torch.device, limit_all_gathers: bool) -> None:
         self.device = device
+        self._index = device.index
         cuda = device.type == "cuda"
         self.unshard = torch.cuda.Stream(device) if cuda else None
         self.reduce = torch.cuda.Stream(device) if cuda else None
@@ -62,11 +82,30 @@ class CommStreams:
         return self.unshard is not None
 
     def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self.device if self._index is None else self._index)
 
     def unshard_waits_for_compute(self) -> None:
         if self.unshard is not None:
             self.unshard.wait_stream(self.current())
+
+    def _switch_to(self, stream: torch.cuda.Stream) -> torch.cuda.Stream | torch.cuda.StreamContext:
+        """Makes ``stream`` current; returns what ``_switch_back`` restores (see
+        [Note: Switching streams cheaply])."""
+        index = self._index
+        if index is not None and torch.cuda.current_device() == index:
+            previous = torch.cuda.current_stream(index)
+            torch.cuda.set_stream(stream)
+            return previous
+        context = torch.cuda.stream(stream)
+        context.__enter__()
+        return context
+
+    @staticmethod
+    def _switch_back(previous: torch.cuda.Stream | torch.cuda.StreamContext) -> None:
+        if isinstance(previous, torch.cuda.StreamContext):
+            previous.__exit__(None, None, None)
+        else:
+            torch.cuda.set_stream(previous)
 
     @contextlib.contextmanager
     def on_unshard(self) -> Iterator[None]:
@@ -74,8 +113,11 @@ class CommStreams:
             yield
             return
         self._throttle()
-        with torch.cuda.stream(self.unshard):
+        previous = self._switch_to(self.unshard)
+        try:
             yield
+        finally:
+            self._switch_back(previous)
 
     def record_unshard(self) -> torch.cuda.Event | None:
         """An event after the work just issued on the unshard stream."""
@@ -94,16 +136,17 @@ class CommStreams:
         if self.unshard is not None:
             self.current().wait_stream(self.unshard)
 
-    def release(self, tensors: list[Tensor]) -> None:
+    def release(self, tensors: list[Tensor], frees_gathered: bool = True) -> None:
         """``tensors`` (allocated on the unshard stream) are about to be freed
-        after use on the current stream."""
+        after use on the current stream; ``frees_gathered``: among them an
+        all-gather's output, which ``limit_all_gathers`` counts."""
         if self.unshard is None or not tensors:
             return
         current = self.current()
         for tensor in tensors:
             if tensor.untyped_storage().size() > 0:
                 tensor.record_stream(current)
-        if self.limit_all_gathers:
+        if self.limit_all_gathers and frees_gathered:
             event = torch.cuda.Event()
             event.record(current)
             self._free_events.append(event)
@@ -124,8 +167,11 @@ class CommStreams:
         grad.record_stream(self.reduce)
         if set_aside is not None and set_aside.device.type == "cuda":
             set_aside.record_stream(self.reduce)
-        with torch.cuda.stream(self.reduce):
+        previous = self._switch_to(self.reduce)
+        try:
             yield
+        finally:
+            self._switch_back(previous)
 
     def compute_waits_for_reduce(self) -> None:
         if self.reduce is not None:
