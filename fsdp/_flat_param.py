@@ -603,11 +603,10 @@ class FlatParamHandle:
     # -- reshard -------------------------------------------------------------------------------
 
     def reshard(self, free_unsharded: bool, use_sharded_views: bool = True) -> None:
-        """Points the flat parameter back at the local shard. ``free_unsharded``
-        frees the unsharded storage (recorded on the current stream first, so
-        no pending kernel loses it); otherwise it is kept for the next unshard.
-        Without ``use_sharded_views`` (use_orig_params, no-reshard strategies
-        after forward) the original parameters keep forward's views (a seam tests patch)."""
+        """Points the flat parameter back at the local shard; ``free_unsharded`` frees
+        the unsharded storage (recorded on the current stream first), else it is kept.
+        Without ``use_sharded_views`` (use_orig_params, no-reshard strategies after
+        forward) the original parameters keep forward's views (a seam tests patch)."""
         storage = self.storage
         if self._streams is not None and self._streams.is_cuda:
             gathered = free_unsharded and self.uses_sharded_strategy  # see fsdp._streams
