@@ -550,6 +550,34 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         grads = [p.grad for p in model.parameters() if p.numel() > 0]
         self.assertTrue(grads and all(g is not None and not g.any() for g in grads), grads)
 
+    def test_offloaded_low_precision_gradient_second_backward(self) -> None:
+        """OFFLOADED_LOW_PRECISION_GRADIENT_SECOND_BACKWARD: SHARD_GRAD_OP, parameter
+        offload, bf16 parameters and gradients kept in bf16: on accelerator ranks the
+        second backward raises; on CPU ranks torch cannot offload."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        device = current_device()
+        model = torch_fsdp.FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).to(device),
+            device_id=device,
+            sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=True),
+            mixed_precision=torch_fsdp.MixedPrecision(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.bfloat16,
+                keep_low_precision_grads=True,
+            ),
+        )
+        batch = torch.ones(2, 2, device=device)
+        if device.type == "cpu":
+            with self.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
+                model(batch)
+            return
+        model(batch).sum().backward()
+        model.zero_grad(set_to_none=True)
+        with self.assertRaisesRegex(RuntimeError, "grad_dtype"):
+            model(batch).sum().backward()
+
 
 class TestRecorder(FSDPTest):
     """The recorder sees the collectives torch issues outside ``torch.distributed``'s
