@@ -320,7 +320,7 @@ class FlatParamHandle:
         finds optimizers in backward."""
         self._streams = streams
         self.flat_param._local_shard = self.flat_param.data
-        self.writeback_orig_params(skip_check=False)
+        self.writeback_orig_params(skip_check=False, grads=False)  # gradients: at the unshard
         self.storage.init_buffers()
         self.grads.init_buffers(self.grad_dtype(), self.device)
         if self._use_orig_params:
@@ -637,7 +637,7 @@ class FlatParamHandle:
 
     # -- writeback of user changes (use_orig_params) ----------------------------------------------
 
-    def writeback_orig_params(self, skip_check: bool) -> None:
+    def writeback_orig_params(self, skip_check: bool, grads: bool = True) -> None:
         """Copies user changes of original parameters and their gradients into the
         flat parameter (see [Note: Original parameters (use_orig_params=True)]).
         An unsharded copy kept since forward is stale afterwards and is freed."""
@@ -650,7 +650,7 @@ class FlatParamHandle:
                 self.views.forget_grads()
         if skip_check:
             return
-        written = self.views.writeback(self.flat_param, self.grads)
+        written = self.views.writeback(self.flat_param, self.grads, grads)
         if storage.is_unsharded() or not (written.params or written.grads):
             return
         if written.params:

@@ -579,11 +579,14 @@ class OrigParamViews:
 
     # -- writeback -------------------------------------------------------------------------------
 
-    def writeback(self, flat_param: FlatParameter, grads: FlatParamGrads) -> Written:
+    def writeback(
+        self, flat_param: FlatParameter, grads: FlatParamGrads, with_grads: bool = True
+    ) -> Written:
         """Copies user changes of original parameters (``.data`` or a new
-        Parameter) and of their gradients into the flat parameter's shard and
-        gradient; says what was written (see [Note: Cheap between-use
-        bookkeeping] for the fast path)."""
+        Parameter) and, ``with_grads``, of their gradients into the flat
+        parameter's shard and gradient (torch writes gradients back at the
+        unshard only, not at the lazy initialisation); says what was written
+        (see [Note: Cheap between-use bookkeeping] for the fast path)."""
         if self._unchanged(flat_param):
             return Written(False, False)
         params = grads_written = False
@@ -591,7 +594,7 @@ class OrigParamViews:
             if self.shard.param_range(i) is None or not hasattr(info.module, info.param_name):
                 continue
             params |= self._writeback_param(i, info, flat_param)
-            if self.mode is not ViewMode.KEPT_FORWARD:
+            if with_grads and self.mode is not ViewMode.KEPT_FORWARD:
                 grads_written |= self._writeback_grad(i, flat_param, grads)
         if grads_written:
             # A user's tensor (or a view whose .data the user replaced) was

@@ -466,6 +466,26 @@ class TestTorchLimitations(FSDPTest):
             self.assertEqual(full(model), expected, f"forward_first={forward_first}")
             self.assertEqual(full(model), expected, f"after, forward_first={forward_first}")
 
+    def test_user_gradients_with_kept_low_precision_gradients(self) -> None:
+        """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, fp16 parameters
+        and gradients kept in fp16: after a backward, a user's full-precision
+        gradients make the next summon_full_params raise (a grad_dtype error)."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        model = self._torch_fsdp(
+            nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+            use_orig_params=True,
+            mixed_precision=torch_fsdp.MixedPrecision(
+                param_dtype=torch.float16, keep_low_precision_grads=True
+            ),
+        )
+        model(torch.ones(2, 3)).sum().backward()
+        for param in model.parameters():
+            param.grad = torch.full_like(param, 0.25)
+        with self.assertRaisesRegex(RuntimeError, "grad_dtype"):
+            with torch_fsdp.FullyShardedDataParallel.summon_full_params(model):
+                pass
+
 
 class TestTorchLimitationsAnywhere(FSDPTest):
     """Torch's FSDP (``torch.distributed.fsdp`` itself) where its behaviour depends on

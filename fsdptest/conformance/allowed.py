@@ -311,6 +311,16 @@ UNASKED = _entries(
         "test_offloaded_low_precision_gradient_second_backward",
     ),
     Unasked(
+        "USER_GRADIENTS_WITH_KEPT_LOW_PRECISION",
+        "MixedPrecision(param_dtype=..., keep_low_precision_grads=True): gradients a user "
+        "sets in full precision (p.grad = ...) make torch's FSDP raise at its next gradient "
+        "writeback or showing ('attempting to assign a gradient with dtype ... to a tensor "
+        "with grad_dtype Float'); this project's FSDP keeps them. Such setups do not set "
+        "gradients where either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_user_gradients_with_kept_low_precision_gradients",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
         "LOCAL_STATE_DICT with LocalStateDictConfig(offload_to_cpu=True) on accelerator ranks: "
         "torch's save hook calls ShardedTensor.cpu() under no_grad, whose CPU copies of the "
@@ -504,6 +514,16 @@ class Target:
         """Whether a backward must start from no gradient (see
         ``OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC``)."""
         return setup.offload_params and not self.asks("OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC")
+
+    def may_set_gradients(self, setup: Setup) -> bool:
+        """See ``USER_GRADIENTS_WITH_KEPT_LOW_PRECISION``."""
+        precision = setup.mixed_precision
+        kept_low = (
+            precision is not None
+            and precision.keep_low_precision_grads
+            and precision.param_dtype is not None
+        )
+        return not kept_low or self.asks("USER_GRADIENTS_WITH_KEPT_LOW_PRECISION")
 
     def may_replace_data_after_forward(self) -> bool:
         """Whether original parameters' data may be replaced while a forward's
