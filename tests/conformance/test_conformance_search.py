@@ -227,8 +227,15 @@ FULL_PROOF_ENV = "FSDPTEST_PLANTED_BUGS"
 CHEAP_BUG = "clip_dtype"  # found in the first scenario, shrunk in seconds
 
 
+# The derandomized scenarios each planted bug's search may use: 100, and more for a
+# bug whose trigger needs several draws to meet (Adam, use_orig_params=False, an
+# optimizer state saved before a later step: a few scenarios in a hundred).
+BUDGETS = {"optim_state_aliases_live_step": 300}
+
+
 def _failures(inner: Any, bugs: list[str]) -> dict[str, tuple[sc.Scenario, str]]:
-    run = inner(PLANTED.replace("{BUGS}", repr(bugs)), "--conformance-scenarios", "100")
+    budget = max(BUDGETS.get(bug, 100) for bug in bugs)
+    run = inner(PLANTED.replace("{BUGS}", repr(bugs)), "--conformance-scenarios", str(budget))
     found = {}
     for bug in bugs:
         report = run.section(f"test_planted[{bug}]")
