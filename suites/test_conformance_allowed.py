@@ -93,7 +93,27 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
 PENDING_WITNESSES: dict[str, sc.Scenario] = {}
 
 # A scenario holding each call that is not drawn for ours.
-PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {}
+PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
+    # the sixth deep run's scenario, as drawn
+    "NO_SHARD_USER_GRADIENTS_AND_SUMMONED_GRADIENTS": sc.Scenario.from_replay_id(
+        "eNqtU8uO2jAU_RXkdRaF0QgpO8pUatVRqQpSFwhZxr4hVhzbsp1SivLvvSYJb2ZAml2wfc_rHrZkbZwS"
+        "1Mt_QNJBQjyAIGl_OHx-ToiGQNIt-WM4W5L0KSFrKUJO0mFClsrwwpN0viWKbcA1n4XUOE08ZwpIvaiT"
+        "a7dBIgUiSIbHGVMe4rv2kptKB3A373fD9SIhPJdKONA3JCipgUWYVvLTKeANaTwHXlgjUYIgJ3bfFItw"
+        "jwEeY1x9MbhF6XPmLuJ7PI5-_648mkXe0rJkgefauJK862e4iwh1xv3RHBg-Da6ChJgq2Cog-qCO7QuV"
+        "jZWLNoXUKwT8MaHTr6NfLwhWgs-7ucoDNU6uqGWOlb47XjJerHGWWgcZoD5E-Dwaf_-NCPTnZDpDmMy4"
+        "syfN7NoxG2011U6I1BL7j6yBoUNibMxmHkX2Vo4JCRp1o3NtNNBMOh8aJPQ5JxCb0fNVWRpNs0qpTigO"
+        "OOCV89AmGkMKOY2Q_hjgL7In22OwwAJQIXmgYWMhIqGWgDH5mBk3OpMrv0d1TBefqNFq0xkUAbQ3riW5"
+        "YHFgFePQ2wmFyCgYWm9v37WNCSHXRRBcSbszR2NV6IFsJT1yUG7KkubGFHuivc3uJPPC0tKISoE_i-Rq"
+        "vmsnA8QmvJHFx2Telv51Mh690ulsNPtCX76NY8lMlimDpoOh3FYd6307uYf5EsnYIEva8u6dN6fnr-uH"
+        "M2wGhAyHehx2cRTbeU0e_zN8xPIuynq1mifrPvrOpGZq92NR_wfZUYHo"
+    ),
+    "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE": sc.Scenario(
+        2,
+        NET,
+        sc.Setup(sharding=Sharding.NO_SHARD, use_orig_params=True),
+        (sc.ReplaceData(flatten=True), sc.SaveStateDict(), sc.Final()),
+    ),
+}
 
 
 def _witnesses_at(world_size: int) -> list[str]:

@@ -588,6 +588,7 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self._in("no_sync")
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
             and self.TARGET.may_set_gradients(self.setup)
+            and self.TARGET.may_set_gradients_no_shard(self.setup)
         )
     )
     @rule(none_first=st.booleans(), only_first=st.booleans())
@@ -608,6 +609,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def replace_parameter_data(self, flatten: bool) -> None:
         """``p.data = ...`` for every original parameter (``flatten``: of another
         shape, a misuse)."""
+        flatten = flatten and self.TARGET.may_replace_data_of_another_shape(self.setup)
         self._add(sc.ReplaceData(flatten=flatten))
 
     @precondition(
