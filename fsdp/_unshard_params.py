@@ -112,13 +112,17 @@ def summon_full_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
-    ensure_initialized(module)
     entered: list[SummonedUnit] = []
+    initialized = False
     try:
         for state in states_in(module, recurse):
             # Torch checks the arguments before and after the unit's own checks
-            # (the summon's, then the unshard's), so its warning comes twice.
+            # (the summon's, then the unshard's), so its warning comes twice;
+            # its lazy initialisation comes after the first unit's first check.
             validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
+            if not initialized:
+                ensure_initialized(module)
+                initialized = True
             check_can_summon(state)
             validate_unshard(state, writeback, rank0_only, offload_to_cpu, with_grads)
             unit = SummonedUnit(state, rank0_only, offload_to_cpu, with_grads)
