@@ -486,6 +486,23 @@ class TestTorchLimitations(FSDPTest):
             self.assertEqual(full(model), expected, f"forward_first={forward_first}")
             self.assertEqual(full(model), expected, f"after, forward_first={forward_first}")
 
+    def test_summon_with_grads_after_a_no_sync_backward(self) -> None:
+        """SUMMON_WITH_GRADS_AFTER_NO_SYNC_BACKWARD: a backward inside no_sync, then
+        summon_full_params(with_grads=True): torch asserts; before the backward, not."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        fsdp = torch_fsdp.FullyShardedDataParallel
+        model = self._torch_fsdp(
+            nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), use_orig_params=True
+        )
+        with model.no_sync():
+            with fsdp.summon_full_params(model, with_grads=True):
+                pass
+            model(torch.ones(2, 3)).sum().backward()
+            with self.assertRaisesRegex(AssertionError, "Expects tensor to be sharded"):
+                with fsdp.summon_full_params(model, with_grads=True):
+                    pass
+
     def test_user_gradients_with_kept_low_precision_gradients(self) -> None:
         """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, fp16 parameters
         and gradients kept in fp16: after a backward, a user's full-precision

@@ -395,6 +395,9 @@ class ProgramMachine(RuleBasedStateMachine):
         offload_to_cpu: bool,
         with_grads: bool,
     ) -> None:
+        after_window = self._in("no_sync") and self.has_grads
+        if after_window and not self.TARGET.may_summon_grads_after_no_sync_backward():
+            with_grads = False
         self._add(
             sc.EnterSummon(
                 recurse=recurse,
@@ -441,7 +444,7 @@ class ProgramMachine(RuleBasedStateMachine):
         """``with summon_full_params(..., with_grads=True): read the gradients``, or
         with ``edit`` (and writeback) edit them (see [Note: Rules of their own for
         what few scenarios reach])."""
-        edit = edit and not rank0_only
+        edit = edit and not rank0_only and not self._in("no_sync")
         if edit and not self.has_grads:  # gradients to edit
             self._add(sc.Forward(), sc.Backward())
             self.inited = self.has_grads = True
