@@ -465,7 +465,6 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self._in("no_sync")
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
             and self.TARGET.may_set_gradients(self.setup)
-            and self.TARGET.may_set_gradients_no_shard(self.setup)
         )
     )
     @rule(none_first=st.booleans(), only_first=st.booleans())
