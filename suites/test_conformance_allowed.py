@@ -503,6 +503,52 @@ class TestTorchLimitations(FSDPTest):
                 with fsdp.summon_full_params(model, with_grads=True):
                     pass
 
+    def test_zero_grad_after_a_no_sync_backward_keeps_the_set_aside_gradient(self) -> None:
+        """ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC: a synced backward, one under
+        no_sync, zero_grad(set_to_none=True), one synced backward: torch's gradient is
+        that of the first backward and the last (2g: the parameters do not change),
+        where it is the last one's alone (g) without the window."""
+        for use_orig_params in (False, True):
+            model = self._torch_fsdp(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), use_orig_params=use_orig_params
+            )
+            once = _last_backward(model, window=False)
+            kept = _last_backward(model, window=True)
+            self.assertTrue(any(g is not None and g.numel() for g in once))
+            for grad, doubled in zip(once, kept, strict=True):
+                self.assertEqual(doubled, None if grad is None else 2 * grad, f"{use_orig_params=}")
+
+    def test_user_gradient_hidden_after_a_none_writeback(self) -> None:
+        """USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK: a unit per linear (not the
+        root, which keeps its parameters after forward); the first weight's gradient
+        set alone, a forward (the writeback marks its bias None), every gradient
+        set, a forward: the bias shows None where it is in the rank's shard, and the
+        backward's gradient lacks the user's value."""
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return self._torch_fsdp(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+                use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            )
+
+        model, x = build(), torch.ones(2, 3)
+        weight, bias = list(model.parameters())[:2]
+        self.assertEqual(bias.numel(), 3 if self.rank == 1 else 0)  # 12 elements: 6 a rank
+        weight.grad = torch.full_like(weight, 0.25)
+        with torch.no_grad():
+            model(x)
+        for param in model.parameters():
+            param.grad = torch.full_like(param, 0.25)
+        loss = model(x).sum()
+        self.assertIsNone(bias.grad)
+        loss.backward()
+        fresh = build()
+        fresh(x).sum().backward()
+        self.assertEqual(bias.grad, list(fresh.parameters())[1].grad)
+
     def test_user_gradients_with_kept_low_precision_gradients(self) -> None:
         """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, fp16 parameters
         and gradients kept in fp16: after a backward, a user's full-precision
@@ -522,6 +568,20 @@ class TestTorchLimitations(FSDPTest):
         with self.assertRaisesRegex(RuntimeError, "grad_dtype"):
             with torch_fsdp.FullyShardedDataParallel.summon_full_params(model):
                 pass
+
+
+def _last_backward(model: nn.Module, window: bool) -> list[torch.Tensor | None]:
+    """The gradients after ``zero_grad(set_to_none=True)`` and a synced backward;
+    with ``window``, a synced backward and one under no_sync come before it."""
+    x = torch.ones(2, 3)
+    if window:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        with model.no_sync():  # type: ignore[operator]
+            model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
 class TestTorchLimitationsAnywhere(FSDPTest):

@@ -330,6 +330,33 @@ UNASKED = _entries(
         "test_summon_with_grads_after_a_no_sync_backward",
     ),
     Unasked(
+        "ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC",
+        "A sharded unit's gradient (from a synced backward, or set by a user), then a "
+        "backward inside no_sync(), then zero_grad(set_to_none=True) before the next synced "
+        "backward: torch's FSDP keeps the first gradient hidden (_saved_grad_shard, kept "
+        "through the window by design), shows it again as the original parameters' .grad "
+        "after the next forward and adds it to the next synced backward's gradient; DDP, "
+        "and this project's FSDP, give that backward's gradient alone "
+        "(suites/test_regressions.py::TestGradientAccumulation::"
+        "test_zero_grad_between_microbatches_discards_them). Such a zero_grad keeps the "
+        "gradients (set_to_none=False) where either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_zero_grad_after_a_no_sync_backward_keeps_the_set_aside_gradient",
+    ),
+    Unasked(
+        "USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK",
+        "use_orig_params: gradients a user sets on some parameters of a unit only "
+        "(p.grad = ... on the first, or None on the first), a forward or summon (torch "
+        "writes the gradients back and marks each parameter whose .grad was None in its "
+        "_is_grad_none_mask, cleared only by a backward), then gradients the user sets on "
+        "every parameter: after the next forward torch's FSDP shows such a parameter's .grad "
+        "as None and the next backward's gradient lacks the user's value; this project's "
+        "FSDP keeps it. After gradients set on some parameters only, no gradients are set "
+        "again before a synced backward where either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitations::"
+        "test_user_gradient_hidden_after_a_none_writeback",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
         "LOCAL_STATE_DICT with LocalStateDictConfig(offload_to_cpu=True) on accelerator ranks: "
         "torch's save hook calls ShardedTensor.cpu() under no_grad, whose CPU copies of the "
@@ -541,6 +568,14 @@ class Target:
     def may_replace_data_of_another_shape(self, setup: Setup) -> bool:
         no_shard = setup.sharding is Sharding.NO_SHARD
         return not no_shard or self.asks("NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE")
+
+    def may_clear_set_aside_gradient(self) -> bool:
+        """See ``ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC``."""
+        return self.asks("ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC")
+
+    def may_set_gradients_after_some(self) -> bool:
+        """See ``USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK``."""
+        return self.asks("USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK")
 
     def may_summon_grads_after_no_sync_backward(self) -> bool:
         return self.asks("SUMMON_WITH_GRADS_AFTER_NO_SYNC_BACKWARD")

@@ -38,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from fsdptest.conformance import scenario as sc
 from fsdptest.conformance.allowed import Target
 from fsdptest.conformance.setups import fit_inputs, ignored, nets, setups
+from fsdptest.properties.examples import Sharding
 
 # The search's own hooks twice as often as torch's low-precision hooks (which
 # observe less: what they are handed is not recorded).
@@ -104,6 +105,14 @@ class ProgramMachine(RuleBasedStateMachine):
         self.hooked = False
         self.has_grads = False  # a backward ran since the last zero_grad(set_to_none=True)
         self.kept = False  # a forward ran since the last synced backward (unsharded kept)
+        # a gradient from outside no_sync (a synced backward's, a user's) is held;
+        # a backward under no_sync sets it aside until the next synced one
+        # (``ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC``)
+        self.synced_grads = False
+        self.set_aside = False
+        # gradients a user set on some parameters only, and no synced backward since
+        # (``USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK``)
+        self.some_grads_set = False
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -164,12 +173,13 @@ class ProgramMachine(RuleBasedStateMachine):
         if windowed_any and not onto_gradient:
             set_to_none = True
         if set_to_none is not None:
-            self._add(sc.ZeroGrad(set_to_none=set_to_none))
+            self._zero_grad(set_to_none)
         synced = False  # a synced backward of this step ran: a window then starts onto its gradient
         for i, no_sync in enumerate(microbatches):
             windowed = may_no_sync and no_sync and i < len(microbatches) - 1
             windowed = windowed and (onto_gradient or not synced)
             synced = synced or not windowed
+            self._backward_ran(windowed)
             if windowed:
                 self._add(sc.EnterNoSync())
             self._add(sc.Forward(), sc.Backward())
@@ -212,6 +222,7 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule()
     def backward(self) -> None:
         self._add(sc.Backward())
+        self._backward_ran(self._in("no_sync"))
         self.pending = False
         self.has_grads = True
         self.kept = self.kept and self._in("no_sync")
@@ -224,8 +235,24 @@ class ProgramMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(set_to_none=st.booleans(), on_model=st.booleans())
     def zero_grad(self, set_to_none: bool, on_model: bool) -> None:
+        self._zero_grad(set_to_none, on_model)
+
+    def _zero_grad(self, set_to_none: bool, on_model: bool = False) -> None:
+        """Gradients set aside by a ``no_sync`` backward are only zeroed where
+        torch's FSDP is a side (``ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC``)."""
+        if self.set_aside and not self.TARGET.may_clear_set_aside_gradient():
+            set_to_none = False
         self._add(sc.ZeroGrad(set_to_none=set_to_none, on_model=on_model))
         self.has_grads = self.has_grads and not set_to_none
+        self.synced_grads = self.synced_grads and not set_to_none
+        self.set_aside = self.set_aside and not set_to_none
+
+    def _backward_ran(self, windowed: bool) -> None:
+        """A sharded unit sets aside the gradient a backward under no_sync starts from."""
+        sharded = self.setup.sharding is not Sharding.NO_SHARD
+        self.set_aside = windowed and (self.set_aside or (self.synced_grads and sharded))
+        self.synced_grads = self.synced_grads or not windowed
+        self.some_grads_set = self.some_grads_set and windowed
 
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(mode=st.booleans())
@@ -448,6 +475,7 @@ class ProgramMachine(RuleBasedStateMachine):
         if edit and not self.has_grads:  # gradients to edit
             self._add(sc.Forward(), sc.Backward())
             self.inited = self.has_grads = True
+            self._backward_ran(False)
             self.kept = self._in("no_sync")
         self._summon(recurse, True, rank0_only, False, with_grads=True)
         if edit:
@@ -465,6 +493,7 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self._in("no_sync")
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
             and self.TARGET.may_set_gradients(self.setup)
+            and (not self.some_grads_set or self.TARGET.may_set_gradients_after_some())
         )
     )
     @rule(none_first=st.booleans(), only_first=st.booleans())
@@ -472,7 +501,8 @@ class ProgramMachine(RuleBasedStateMachine):
         """``p.grad = ...`` for every listed parameter, as a user writes it, or the
         first one's alone."""
         self._add(sc.SetGrads(none_first=none_first, only_first=only_first))
-        self.has_grads = True
+        self.has_grads = self.synced_grads = True
+        self.some_grads_set = only_first or none_first
 
     @precondition(
         lambda self: (
@@ -501,8 +531,10 @@ class ProgramMachine(RuleBasedStateMachine):
         if self.scaler_growth is None:
             self.scaler_growth = (growth_interval,)
         backward = sc.ScaledBackward(growth_interval=self.scaler_growth[0])
-        self._add(sc.ZeroGrad(set_to_none=True), sc.Forward(), backward, sc.ScalerStep(clip))
+        self._zero_grad(True)
+        self._add(sc.Forward(), backward, sc.ScalerStep(clip))
         self.inited = self.has_grads = True
+        self._backward_ran(False)
         self.kept = False
 
     @precondition(lambda self: self._free())
