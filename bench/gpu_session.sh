@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
 #   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
 #   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)
+#   bash bench/gpu_session.sh wide             # 4+ GPUs: the 3- and 4-rank suite tests, both
+#                                              # implementations at once (one lease dir)
 #
 # Needs the expecttest wheel in .whl/ (carried: it is not installed there).
 set -uo pipefail
@@ -106,6 +108,20 @@ weak)
     timeout 300 python3 bench/fsdp_step.py --preset latency --world-size "$ws" --warmup 5 \
         --steps 60 --json "$OUT/weak-latency-ws$ws.json" 2>&1 | tee "$OUT/weak-latency-ws$ws.log" |
         grep -v Warning | tail -n 12
+    ;;
+wide)
+    rm -rf /tmp/leases-wide
+    for impl in local torch; do
+        python3 bench/gpu_sampler.py --csv "$OUT/wide-$impl.csv" -- timeout -s INT 480 $PYTEST \
+            -p bench.wide_tests --wide-tests 3 suites -n 2 -rfEs --tb=short --fsdp-impl "$impl" \
+            --gpu-lease-dir /tmp/leases-wide --junitxml="$OUT/wide-$impl.xml" >"$OUT/wide-$impl.log" 2>&1 &
+    done
+    wait
+    for impl in local torch; do
+        echo "== $impl"
+        grep -A30 "distributed tests ==" "$OUT/wide-$impl.log" | grep -v "^SKIPPED" | tail -n 30
+    done
+    python3 bench/lease_cost.py --journal /tmp/leases-wide | tail -n 12
     ;;
 *)
     echo "unknown step $STEP" >&2

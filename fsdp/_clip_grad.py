@@ -61,7 +61,10 @@ class GradPlacement(NamedTuple):
 
 
 def _local_norm(params: list[nn.Parameter], norm_type: float, device: torch.device) -> Tensor:
-    grads = [p.grad.detach() for p in params if p.grad is not None]
+    # An empty gradient (a user's, of a parameter outside this rank's shard)
+    # adds nothing: vector_norm refuses the infinity norm of an empty tensor, and
+    # a refusal on one rank would leave the others waiting in the all-reduce.
+    grads = [p.grad.detach() for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.zeros((), device=device)
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]

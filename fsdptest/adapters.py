@@ -175,6 +175,9 @@ class KnownDefects:
     flatten_keeps_unwrapped_sharded_tensors: bool = False
     """flatten_sharded_optim_state_dict leaves states of parameters outside every
     unit as ShardedTensors (tests/fsdp/test_fsdp_features.py)."""
+    inf_norm_of_empty_user_gradient: bool = False
+    """clip_grad_norm_(norm_type=inf) raises on a rank whose empty original
+    parameter has a user's gradient (suites/test_clip_grad_norm.py)."""
     zero_grad_keeps_gradient_set_aside_by_no_sync: bool = False
     """zero_grad(set_to_none=True) after a backward under no_sync leaves the sharded
     gradient from before the window to the next synced backward

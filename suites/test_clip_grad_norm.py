@@ -19,7 +19,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, CPUOffload, MixedPrecision, ShardingStrategy, clean_tensor_name
+from fsdptest.api import (
+    ADAPTER,
+    FSDP,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    clean_tensor_name,
+)
 from fsdptest.parity import REORDERED_FP32
 from harness import current_device
 
@@ -261,3 +268,41 @@ class TestClipGradNormWorld2(_ClipGradNorm):
 
 class TestClipGradNormWorld3(_ClipGradNorm):
     world_size = 3
+
+
+class _ThreeParameters(nn.Module):
+    """1 + 14 + 1 elements: over two ranks the first is outside rank 1's shard
+    and the last outside rank 0's, so each rank has an empty original parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.ones(1))
+        self.middle = nn.Parameter(torch.ones(14))
+        self.last = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.first + (x * self.middle).sum() + x * self.last
+
+
+class TestClipGradNormEdgeCases(FSDPTest):
+    world_size = 2
+
+    def test_inf_norm_with_empty_user_gradients(self) -> None:
+        """use_orig_params, gradients a user sets on every original parameter (the
+        rank's empty ones too), then an infinity-norm clip: the norm of the gradients
+        (2.0), every rank; torch's FSDP raises on each rank (vector_norm of an empty
+        tensor), which is asserted."""
+        model = FSDP(_ThreeParameters().to(current_device()), use_orig_params=True)
+        params = list(model.parameters())
+        self.assertEqual([p.numel() == 0 for p in params], [self.rank == 1, False, self.rank == 0])
+        for param in params:
+            param.grad = torch.full_like(param, 2.0)
+        if ADAPTER.known_defects.inf_norm_of_empty_user_gradient:
+            with self.assertRaisesRegex(RuntimeError, "empty tensor"):
+                model.clip_grad_norm_(1.0, math.inf)
+            return
+        total = model.clip_grad_norm_(1.0, math.inf)
+        self.assertEqual(total, torch.tensor(2.0), rtol=0, atol=0)
+        _same_on_every_rank(self, total)
+        for param in params:
+            self.assertEqual(param.grad, torch.full_like(param, 2.0 / (2.0 + 1e-6)))

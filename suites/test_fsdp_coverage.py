@@ -253,11 +253,27 @@ class _MemoryAndAllGathers(FSDPTest):
         bytes each phase holds and the all-gathers of each forward and backward."""
         configs = [(s, None) for s in NON_HYBRID]
         configs += [(s, r) for s in HYBRID for r in self._meshes()]
+        self._unmeasured_round()
         self.run_subtests(
             {"strategy_and_replicas": configs, "use_orig_params": [False, True]},
             self._check,
             self._meshes(),
         )
+
+    def _unmeasured_round(self) -> None:
+        """[Note: An unmeasured round first]
+        On NCCL ranks the first measured configuration of a pooled rank has
+        measured up to five 1.27 kB blocks fewer after forward than expected
+        (docs/gpu-runs.md, runs 24–28 and 36): bytes an earlier test left that
+        were freed during the measured forward, although the meter's baseline
+        waited for the count to hold still; every later configuration, which
+        follows one on the same groups, measured exactly. One round of the
+        default group's first configuration (a forward and a backward) runs
+        unmeasured before the measured ones, so that the first measured forward
+        follows collectives of its own kind as every later one does."""
+        model = _wrap(sharding_strategy=NON_HYBRID[0])
+        model(_input(self.rank, 0)).sum().backward()
+        del model
 
     def _check(
         self,

@@ -135,6 +135,18 @@ UNASKED = _entries(
         "test_two_norm_after_an_inf_norm_clip_with_a_frozen_parameter",
     ),
     Unasked(
+        "INF_NORM_OF_AN_EMPTY_USER_GRADIENT",
+        "use_orig_params: gradients a user sets on every original parameter, including "
+        "those outside the rank's shard (size 0), then clip_grad_norm_(norm_type=inf): "
+        "torch's FSDP raises on each rank holding such an empty gradient (vector_norm has "
+        "no infinity norm of an empty tensor) and the other ranks wait in its all-reduce; "
+        "this project's FSDP counts empty gradients as nothing. Such scenarios clip with "
+        "finite norms until a backward or zero_grad(set_to_none=True) where either side is "
+        "torch's",
+        "suites/test_clip_grad_norm.py::TestClipGradNormEdgeCases::"
+        "test_inf_norm_with_empty_user_gradients",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_LOAD_WITH_ORIG_PARAMS",
         "loading a LOCAL_STATE_DICT with use_orig_params=True: torch saves '_flat_param' and "
         "rejects it as an unexpected key when loading",
@@ -590,6 +602,10 @@ class Target:
         return not (setup.use_orig_params and frozen) or self.asks(
             "CLIP_AFTER_INF_NORM_WITH_FROZEN"
         )
+
+    def may_clip_inf_of_user_gradients(self) -> bool:
+        """See ``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``."""
+        return self.asks("INF_NORM_OF_AN_EMPTY_USER_GRADIENT")
 
     def state_dict_kinds(self, setup: Setup) -> list[StateDictKind]:
         kinds = list(StateDictKind)

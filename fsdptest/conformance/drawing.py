@@ -113,6 +113,9 @@ class ProgramMachine(RuleBasedStateMachine):
         # gradients a user set on some parameters only, and no synced backward since
         # (``USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK``)
         self.some_grads_set = False
+        # gradients a user set, maybe on empty views: no backward or clearing since
+        # (``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``)
+        self.user_grads = False
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -202,7 +205,10 @@ class ProgramMachine(RuleBasedStateMachine):
         return offload or self._hook_needs_fresh_gradients()
 
     def _clip(self, max_norm: float, norm_type: float) -> None:
-        if norm_type == float("inf") and not self.TARGET.may_clip_inf(self.setup, self.net):
+        user_grads = self.user_grads and not self.TARGET.may_clip_inf_of_user_gradients()
+        if norm_type == float("inf") and (
+            user_grads or not self.TARGET.may_clip_inf(self.setup, self.net)
+        ):
             norm_type = 2.0
         self._add(sc.ClipGradNorm(max_norm, norm_type))
 
@@ -246,6 +252,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.has_grads = self.has_grads and not set_to_none
         self.synced_grads = self.synced_grads and not set_to_none
         self.set_aside = self.set_aside and not set_to_none
+        self.user_grads = self.user_grads and not set_to_none
 
     def _backward_ran(self, windowed: bool) -> None:
         """A sharded unit sets aside the gradient a backward under no_sync starts from."""
@@ -253,6 +260,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.set_aside = windowed and (self.set_aside or (self.synced_grads and sharded))
         self.synced_grads = self.synced_grads or not windowed
         self.some_grads_set = self.some_grads_set and windowed
+        self.user_grads = self.user_grads and windowed
 
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(mode=st.booleans())
@@ -503,6 +511,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self._add(sc.SetGrads(none_first=none_first, only_first=only_first))
         self.has_grads = self.synced_grads = True
         self.some_grads_set = only_first or none_first
+        self.user_grads = True
 
     @precondition(
         lambda self: (
