@@ -175,6 +175,12 @@ class KnownDefects:
     flatten_keeps_unwrapped_sharded_tensors: bool = False
     """flatten_sharded_optim_state_dict leaves states of parameters outside every
     unit as ShardedTensors (tests/fsdp/test_fsdp_features.py)."""
+    local_state_dict_skips_writeback: bool = False
+    """A LOCAL_STATE_DICT saved after ``p.data = ...`` holds the old data
+    (suites/test_regressions.py::TestWriteback)."""
+    drops_user_gradient_of_frozen_unit: bool = False
+    """A user's gradient of a frozen unit's flat parameter is dropped by a
+    backward (suites/test_regressions.py::TestWriteback)."""
     inf_norm_of_empty_user_gradient: bool = False
     """clip_grad_norm_(norm_type=inf) raises on a rank whose empty original
     parameter has a user's gradient (suites/test_clip_grad_norm.py)."""

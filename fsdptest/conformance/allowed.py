@@ -147,6 +147,24 @@ UNASKED = _entries(
         "test_inf_norm_with_empty_user_gradients",
     ),
     Unasked(
+        "FROZEN_UNIT_USER_GRADIENT_DROPPED",
+        "use_orig_params=False and a sharded unit whose parameters are all frozen: a "
+        "gradient a user sets on its flat parameter is None after the next backward in "
+        "torch's FSDP; this project's FSDP leaves it, as autograd leaves a parameter that "
+        "needs no gradient (and as torch's NO_SHARD units do). Such setups do not set "
+        "gradients where either side is torch's",
+        "suites/test_regressions.py::TestWriteback::test_user_gradient_of_a_frozen_unit_stays",
+    ),
+    Unasked(
+        "LOCAL_SAVE_SKIPS_WRITEBACK",
+        "use_orig_params: p.data = ... on the original parameters, then a LOCAL_STATE_DICT "
+        "save before anything writes back (a forward, a summon): torch's FSDP saves its "
+        "flat parameter's old data (the saved shard then changes with the next writeback, "
+        "which it aliases); this project's FSDP writes back first, as its other state-dict "
+        "types do. Such a save waits for a forward or summon where either side is torch's",
+        "suites/test_regressions.py::TestWriteback::test_local_state_dict_holds_replaced_data",
+    ),
+    Unasked(
         "LOCAL_STATE_DICT_LOAD_WITH_ORIG_PARAMS",
         "loading a LOCAL_STATE_DICT with use_orig_params=True: torch saves '_flat_param' and "
         "rejects it as an unexpected key when loading",
@@ -602,6 +620,17 @@ class Target:
         return not (setup.use_orig_params and frozen) or self.asks(
             "CLIP_AFTER_INF_NORM_WITH_FROZEN"
         )
+
+    def may_set_gradients_of_frozen_units(self, setup: Setup, net: Net | None) -> bool:
+        """See ``FROZEN_UNIT_USER_GRADIENT_DROPPED``."""
+        frozen = net is not None and any(layer.frozen for layer in net.layers())
+        flat_frozen = frozen and not setup.use_orig_params
+        sharded = setup.sharding is not Sharding.NO_SHARD
+        return not (flat_frozen and sharded) or self.asks("FROZEN_UNIT_USER_GRADIENT_DROPPED")
+
+    def may_save_local_before_writeback(self) -> bool:
+        """See ``LOCAL_SAVE_SKIPS_WRITEBACK``."""
+        return self.asks("LOCAL_SAVE_SKIPS_WRITEBACK")
 
     def may_clip_inf_of_user_gradients(self) -> bool:
         """See ``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``."""

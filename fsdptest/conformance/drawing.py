@@ -116,6 +116,9 @@ class ProgramMachine(RuleBasedStateMachine):
         # gradients a user set, maybe on empty views: no backward or clearing since
         # (``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``)
         self.user_grads = False
+        # original parameters' data replaced, and no forward or summon since
+        # (``LOCAL_SAVE_SKIPS_WRITEBACK``)
+        self.replaced = False
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -147,6 +150,8 @@ class ProgramMachine(RuleBasedStateMachine):
 
     def _add(self, *ops: sc.Op) -> None:
         self.ops.extend(ops)
+        if any(isinstance(op, (sc.Forward, sc.EnterSummon)) for op in ops):
+            self.replaced = False  # written back
 
     # -- training ------------------------------------------------------------------------------
 
@@ -318,7 +323,16 @@ class ProgramMachine(RuleBasedStateMachine):
         self.contexts.append(("state_dict_type", self.settings))
         self.settings = settings
 
-    @precondition(lambda self: self._free())
+    @precondition(
+        lambda self: (
+            self._free()
+            and not (
+                self.replaced
+                and self.settings.kind is sc.StateDictKind.LOCAL
+                and not self.TARGET.may_save_local_before_writeback()
+            )
+        )
+    )
     @rule()
     def save_state_dict(self) -> None:
         self._add(sc.SaveStateDict())
@@ -502,6 +516,7 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
             and self.TARGET.may_set_gradients(self.setup)
             and (not self.some_grads_set or self.TARGET.may_set_gradients_after_some())
+            and self.TARGET.may_set_gradients_of_frozen_units(self.setup, self.net)
         )
     )
     @rule(none_first=st.booleans(), only_first=st.booleans())
@@ -526,6 +541,7 @@ class ProgramMachine(RuleBasedStateMachine):
         shape, a misuse)."""
         flatten = flatten and self.TARGET.may_replace_data_of_another_shape(self.setup)
         self._add(sc.ReplaceData(flatten=flatten))
+        self.replaced = True
 
     @precondition(
         lambda self: self._free() and not self._in("no_sync") and self.TARGET.may_scale_gradients()
