@@ -620,8 +620,8 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         import torch.distributed.fsdp as torch_fsdp
         from torch.distributed.device_mesh import init_device_mesh
 
-        from fsdptest.conformance.allowed import torch_before_2_13
         from fsdptest.conformance.observe import Collectives
+        from fsdptest.conformance.target import torch_before_2_13
 
         device = current_device()
         if device.type == "cpu":

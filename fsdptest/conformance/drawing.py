@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fsdptest.conformance import scenario as sc
-from fsdptest.conformance.allowed import Target
 from fsdptest.conformance.setups import fit_inputs, ignored, nets, setups
+from fsdptest.conformance.target import Target
 from fsdptest.properties.examples import Sharding
 
 # The search's own hooks twice as often as torch's low-precision hooks (which

@@ -45,7 +45,14 @@ from torch.utils.hooks import RemovableHandle
 from fsdptest.conformance import scenario as sc
 from fsdptest.conformance.implementation import FsdpApi, as_a_user_writes
 from fsdptest.conformance.nets import batch, build, materialize
-from fsdptest.conformance.observe import EXACT, Collectives, Observer, catching, first_difference
+from fsdptest.conformance.observe import (
+    EXACT,
+    Collectives,
+    Observer,
+    catching,
+    first_difference,
+    sharing_with,
+)
 
 LR = 1e-2
 ADAM_EPS = 1e-3  # a large epsilon: near-zero gradients do not turn into whole steps
@@ -401,6 +408,7 @@ class Run:
             saved = FSDP.sharded_optim_state_dict(self.model, optim)
         observed = self.observe(saved)
         self._current["optimizer state dict"] = [observed]
+        self._current["optimizer state dict shares the live state at"] = sharing_with(saved, optim)
         self._saved_optim.append((saved, observed, settings, op.api, rank0_only))
 
     def _op_LoadOptimState(self, op: sc.LoadOptimState) -> None:

@@ -533,3 +533,32 @@ def _close_tensors(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
     return bool(
         torch.allclose(a.double(), b.double(), rtol=tol.rtol, atol=tol.atol, equal_nan=True)
     )
+
+
+def plain_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain tensors (not subclasses) in nested dicts, lists and tuples, by path."""
+    if type(value) is torch.Tensor:
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from plain_tensors(item, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from plain_tensors(item, f"{path}[{i}]")
+
+
+def sharing_with(saved: Any, optim: torch.optim.Optimizer | None) -> list[str]:
+    """Where a saved optimizer state dict holds the optimizer's own state tensors
+    (the same storage): a later ``step()`` then changes what was saved."""
+    if optim is None:
+        return []
+    live = {
+        tensor.untyped_storage().data_ptr()
+        for _, tensor in plain_tensors(list(optim.state.values()), "")
+        if tensor.numel()
+    }
+    return sorted(
+        path
+        for path, tensor in plain_tensors(saved, "")
+        if tensor.numel() and tensor.untyped_storage().data_ptr() in live
+    )

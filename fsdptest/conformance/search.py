@@ -42,9 +42,9 @@ from typing import NamedTuple
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fsdptest.conformance.allowed import Target
 from fsdptest.conformance.drawing import machine_for
 from fsdptest.conformance.scenario import Scenario
+from fsdptest.conformance.target import Target
 from fsdptest.implementations import resolve
 from fsdptest.properties.search import budget_of
 from harness.rank_calls import CallOutcome, RankCalls

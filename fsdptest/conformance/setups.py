@@ -9,7 +9,7 @@ import dataclasses
 from hypothesis import strategies as st
 
 from fsdptest.conformance import scenario as sc
-from fsdptest.conformance.allowed import Target
+from fsdptest.conformance.target import Target
 from fsdptest.properties.examples import Prefetch, Sharding, Wrap
 from fsdptest.properties.strategies import precisions
 

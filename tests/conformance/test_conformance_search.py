@@ -22,8 +22,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from fsdptest.conformance import scenario as sc
-from fsdptest.conformance.allowed import Target
 from fsdptest.conformance.drawing import machine_for
+from fsdptest.conformance.target import Target
 
 # Each bug: a function of the inner module that patches our FSDP (in the ranks),
 # and what its report must name (a regular expression).
