@@ -471,6 +471,9 @@ def catching() -> Iterator[list[Caught]]:
 class Tolerance(NamedTuple):
     rtol: float
     atol: float
+    # atol of a tensor's values times the largest magnitude among them (at least 1):
+    # see [Note: Conformance tolerances] in fsdptest.conformance.compare
+    scaled: bool = False
 
 
 EXACT = Tolerance(0.0, 0.0)
@@ -530,9 +533,11 @@ def _close_tensors(a: torch.Tensor, b: torch.Tensor, tol: Tolerance) -> bool:
         return False
     if not (a.is_floating_point() or a.is_complex()):
         return bool(torch.equal(a, b))
-    return bool(
-        torch.allclose(a.double(), b.double(), rtol=tol.rtol, atol=tol.atol, equal_nan=True)
-    )
+    atol = tol.atol
+    if tol.scaled and b.numel():
+        finite = b.double()[torch.isfinite(b)]
+        atol *= max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return bool(torch.allclose(a.double(), b.double(), rtol=tol.rtol, atol=atol, equal_nan=True))
 
 
 def plain_tensors(value: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
