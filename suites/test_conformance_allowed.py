@@ -609,6 +609,35 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         for shard in state_dict["_flat_param"].local_shards():
             self.assertEqual(shard.tensor.device, torch.device("cpu"))
 
+    def test_unsharded_orig_param_optim_state_offload(self) -> None:
+        """UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED: NO_SHARD, use_orig_params,
+        an Adam step, optim_state_dict under the default FullOptimStateDictConfig
+        (offload_to_cpu=True): the states stay on the ranks' device (on CPU ranks
+        the CPU); with flat parameters they go to the CPU."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        fsdp = torch_fsdp.FullyShardedDataParallel
+        device = current_device()
+        for use_orig_params in (True, False):
+            model = fsdp(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).to(device),
+                device_id=device,
+                use_orig_params=use_orig_params,
+                sharding_strategy=torch_fsdp.ShardingStrategy.NO_SHARD,
+            )
+            optim = torch.optim.Adam(model.parameters(), lr=0.1)
+            model(torch.ones(2, 3, device=device)).sum().backward()
+            optim.step()
+            saved = fsdp.optim_state_dict(model, optim)
+            devices = {
+                value.device
+                for state in saved["state"].values()
+                for value in state.values()
+                if torch.is_tensor(value) and value.dim() > 0
+            }
+            expected = device if use_orig_params else torch.device("cpu")
+            self.assertEqual(devices, {expected}, f"{use_orig_params=}")
+
     def test_hybrid_sync_module_states_order(self) -> None:
         """HYBRID_SYNC_ORDER_BEFORE_TORCH_2_13: the broadcasts of sync_module_states
         for HYBRID_SHARD over a (1, 2) mesh (the replicate group is each rank alone),

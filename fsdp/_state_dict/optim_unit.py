@@ -361,7 +361,9 @@ class UnitLayout:
                 f"unflattened parameter names {list(self.fqns)}"
             )
         if kinds == {"tensor"}:
-            return self.shard(self._flat_tensor(name, values))
+            # on the flat parameter's device (the CPU when offloaded), as its
+            # optimizer state lives there
+            return self.shard(self._flat_tensor(name, values)).to(self.handle.flat_param.device)
         if len(given) != len(values) or not all(_same(v, given[0]) for v in given):
             shown = [v.item() if torch.is_tensor(v) else v for v in values]
             dtypes = [v.dtype if torch.is_tensor(v) else None for v in values]

@@ -365,7 +365,7 @@ class ProgramMachine(RuleBasedStateMachine):
 
     # -- optimizer state dicts --------------------------------------------------------------------
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self.TARGET.may_save_optim_state(self.setup))
     @rule(api=st.sampled_from(list(sc.OptimApi)))
     def save_optim_state(self, api: sc.OptimApi) -> None:
         self._save_optim(api)

@@ -41,6 +41,7 @@ _ACCELERATOR_DEFECTS = (
     "OFFLOADED_LOW_PRECISION_GRADIENT_SECOND_BACKWARD",
     "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
     "OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS",
+    "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED",
 )
 
 
@@ -242,6 +243,13 @@ class Target:
     def may_save_local_before_writeback(self) -> bool:
         """See ``LOCAL_SAVE_SKIPS_WRITEBACK``."""
         return self.asks("LOCAL_SAVE_SKIPS_WRITEBACK")
+
+    def may_save_optim_state(self, setup: Setup) -> bool:
+        """See ``UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED``."""
+        unsharded = setup.sharding is Sharding.NO_SHARD or setup.sharding.is_hybrid()
+        return not (setup.use_orig_params and unsharded) or self.asks(
+            "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED"
+        )
 
     def may_clip_inf_of_user_gradients(self) -> bool:
         """See ``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``."""
