@@ -53,6 +53,7 @@ _TORCH_INTERNAL_WARNINGS = (
     "`_get_pg_default_device` will be deprecated",
     "Multiple backends are registered with this ProcessGroup.",
     "Please use DTensor instead and we are deprecating ShardedTensor.",
+    "The AccumulateGrad node's stream does not match the stream of the node that produced",
 )
 
 
@@ -259,7 +260,10 @@ NORMALISED: dict[str, Normalised] = {
             "its object collectives calling the deprecated `_get_pg_default_device` ('... will "
             "be deprecated', 'Multiple backends are registered with this ProcessGroup ...'), "
             "and ShardedTensor's constructor warning 'Please use DTensor instead ...' for every "
-            "ShardedTensor built, intermediate ones included; how many an implementation "
+            "ShardedTensor built, intermediate ones included; on accelerators autograd's "
+            "'The AccumulateGrad node's stream does not match ...' (a performance hint "
+            "about an AccumulateGrad node kept alive across iterations, which torch's FSDP "
+            "holds); how many an implementation "
             "triggers says how it is built, not what it does (the kinds of the returned values "
             "are compared). Removed from both traces",
             _torch_internal_warnings,
