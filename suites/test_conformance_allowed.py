@@ -549,6 +549,22 @@ class TestTorchLimitations(FSDPTest):
         fresh(x).sum().backward()
         self.assertEqual(bias.grad, list(fresh.parameters())[1].grad)
 
+    def test_optim_state_of_some_parameters_of_a_unit(self) -> None:
+        """OPTIM_STATE_OF_SOME_PARAMETERS_OF_A_UNIT: use_orig_params, SGD with momentum
+        stepped while the first parameter's gradient is None: optim_state_dict raises."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        model = self._torch_fsdp(
+            nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), use_orig_params=True
+        )
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        params = list(model.parameters())
+        for param in params[1:]:
+            param.grad = torch.full_like(param, 0.25)
+        optim.step()
+        with self.assertRaisesRegex(RuntimeError, "is not in the optimizer state"):
+            torch_fsdp.FullyShardedDataParallel.optim_state_dict(model, optim)
+
     def test_user_gradients_with_kept_low_precision_gradients(self) -> None:
         """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, fp16 parameters
         and gradients kept in fp16: after a backward, a user's full-precision

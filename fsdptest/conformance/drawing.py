@@ -119,6 +119,11 @@ class ProgramMachine(RuleBasedStateMachine):
         # original parameters' data replaced, and no forward or summon since
         # (``LOCAL_SAVE_SKIPS_WRITEBACK``)
         self.replaced = False
+        # gradients a user set leave some parameters None (no backward since), and
+        # an optimizer step with such gradients gave some parameters no state
+        # (``OPTIM_STATE_OF_SOME_PARAMETERS_OF_A_UNIT``)
+        self.grads_partial = False
+        self.optim_partial = False
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -152,6 +157,11 @@ class ProgramMachine(RuleBasedStateMachine):
         self.ops.extend(ops)
         if any(isinstance(op, (sc.Forward, sc.EnterSummon)) for op in ops):
             self.replaced = False  # written back
+        if any(isinstance(op, (sc.OptimStep, sc.ScalerStep)) for op in ops):
+            if self.grads_partial:
+                self.optim_partial = True
+            elif self.has_grads:
+                self.optim_partial = False
 
     # -- training ------------------------------------------------------------------------------
 
@@ -258,6 +268,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.synced_grads = self.synced_grads and not set_to_none
         self.set_aside = self.set_aside and not set_to_none
         self.user_grads = self.user_grads and not set_to_none
+        self.grads_partial = self.grads_partial and not set_to_none
 
     def _backward_ran(self, windowed: bool) -> None:
         """A sharded unit sets aside the gradient a backward under no_sync starts from."""
@@ -265,6 +276,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self.set_aside = windowed and (self.set_aside or (self.synced_grads and sharded))
         self.synced_grads = self.synced_grads or not windowed
         self.some_grads_set = self.some_grads_set and windowed
+        self.grads_partial = False
         self.user_grads = self.user_grads and windowed
 
     @precondition(lambda self: self.net is not None and not self._in("summon"))
@@ -365,7 +377,17 @@ class ProgramMachine(RuleBasedStateMachine):
 
     # -- optimizer state dicts --------------------------------------------------------------------
 
-    @precondition(lambda self: self._free() and self.TARGET.may_save_optim_state(self.setup))
+    @precondition(
+        lambda self: (
+            self._free()
+            and self.TARGET.may_save_optim_state(self.setup)
+            and not (
+                self.optim_partial
+                and self.setup.use_orig_params
+                and not self.TARGET.may_save_optim_state_of_some()
+            )
+        )
+    )
     @rule(api=st.sampled_from(list(sc.OptimApi)))
     def save_optim_state(self, api: sc.OptimApi) -> None:
         self._save_optim(api)
@@ -526,6 +548,7 @@ class ProgramMachine(RuleBasedStateMachine):
         self._add(sc.SetGrads(none_first=none_first, only_first=only_first))
         self.has_grads = self.synced_grads = True
         self.some_grads_set = only_first or none_first
+        self.grads_partial = only_first or none_first
         self.user_grads = True
 
     @precondition(

@@ -251,6 +251,10 @@ class Target:
             "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED"
         )
 
+    def may_save_optim_state_of_some(self) -> bool:
+        """See ``OPTIM_STATE_OF_SOME_PARAMETERS_OF_A_UNIT``."""
+        return self.asks("OPTIM_STATE_OF_SOME_PARAMETERS_OF_A_UNIT")
+
     def may_clip_inf_of_user_gradients(self) -> bool:
         """See ``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``."""
         return self.asks("INF_NORM_OF_AN_EMPTY_USER_GRADIENT")
