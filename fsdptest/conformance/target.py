@@ -22,7 +22,7 @@ from fsdptest.conformance.scenario import (
     StateDictKind,
 )
 from fsdptest.implementations import resolve
-from fsdptest.properties.examples import Sharding
+from fsdptest.properties.examples import Sharding, biased_one_by_one
 
 _ACCELERATOR_ONLY = (
     "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
@@ -306,24 +306,8 @@ _LINEAR_KINDS = (LayerKind.LINEAR, LayerKind.CHECKPOINTED, LayerKind.SHARED, Lay
 
 
 def _without_one_element_units(net: Net) -> Net:
-    def fix(block: Block, width: int) -> Block:
-        fixed = []
-        for layer in block.layers:
-            out = layer.out_width(width)
-            one_by_one = width == 1 and out == 1 and layer.kind in _LINEAR_KINDS
-            fixed.append(dataclasses.replace(layer, bias=True) if one_by_one else layer)
-            width = out
-        children = []
-        for child in block.children:
-            children.append(fix(child, width))
-            width = child.out_width(width)
-        return Block(tuple(fixed), tuple(children))
-
-    blocks, width = [], net.width
-    for block in net.blocks:
-        blocks.append(fix(block, width))
-        width = block.out_width(width)
-    return dataclasses.replace(net, blocks=tuple(blocks))
+    blocks = biased_one_by_one(net.blocks, net.width, _LINEAR_KINDS)
+    return dataclasses.replace(net, blocks=blocks)
 
 
 def _first_block_trainable(net: Net) -> Net:

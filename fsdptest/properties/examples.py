@@ -344,3 +344,31 @@ def _rebuild(kind: Any, data: Any) -> Any:
         hints = typing.get_type_hints(kind)
         return kind(**{name: _rebuild(hints[name], v) for name, v in data.items()})
     return data
+
+
+def biased_one_by_one(
+    blocks: tuple[Any, ...], width: int, kinds: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """``blocks`` (of either model description: a property example's or a
+    conformance scenario's) with a bias given to every layer of ``kinds`` that
+    maps width 1 to width 1, so that no unit's flat parameter has one element
+    (see [Note: What torch's FSDP is not asked] in fsdptest.properties.strategies)."""
+
+    def fix(block: Any, width: int) -> Any:
+        fixed = []
+        for layer in block.layers:
+            out = layer.out_width(width)
+            one_by_one = width == 1 and out == 1 and layer.kind in kinds
+            fixed.append(dataclasses.replace(layer, bias=True) if one_by_one else layer)
+            width = out
+        children = []
+        for child in block.children:
+            children.append(fix(child, width))
+            width = child.out_width(width)
+        return dataclasses.replace(block, layers=tuple(fixed), children=tuple(children))
+
+    fixed = []
+    for block in blocks:
+        fixed.append(fix(block, width))
+        width = block.out_width(width)
+    return tuple(fixed)

@@ -100,6 +100,7 @@ from fsdptest.properties.examples import (
     Sharding,
     Step,
     Wrap,
+    biased_one_by_one,
 )
 
 SIZES = (1, 2, 3, 5, 7, 11, 13)
@@ -232,25 +233,8 @@ def _fit_inputs(config: Config, model: Model) -> Config:
 def _without_one_element_units(model: Model) -> Model:
     """Gives a bias to every 1x1 Linear, so that no unit's flat parameter has one
     element (see [Note: What torch's FSDP is not asked])."""
-
-    def fix_block(block: Block, width: int) -> Block:
-        fixed = []
-        for layer in block.layers:
-            out = layer.out_width(width)
-            one_by_one = width == 1 and out == 1 and layer.kind in _LINEAR_KINDS
-            fixed.append(dataclasses.replace(layer, bias=True) if one_by_one else layer)
-            width = out
-        children = []
-        for child in block.children:
-            children.append(fix_block(child, width))
-            width = child.out_width(width)
-        return Block(tuple(fixed), tuple(children))
-
-    blocks, width = [], model.width
-    for block in model.blocks:
-        blocks.append(fix_block(block, width))
-        width = block.out_width(width)
-    return dataclasses.replace(model, blocks=tuple(blocks))
+    blocks = biased_one_by_one(model.blocks, model.width, _LINEAR_KINDS)
+    return dataclasses.replace(model, blocks=blocks)
 
 
 _LINEAR_KINDS = (LayerKind.LINEAR, LayerKind.SHARED, LayerKind.TIED)
