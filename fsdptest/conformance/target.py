@@ -13,7 +13,6 @@ import torch
 from fsdptest.api import PublicAPI
 from fsdptest.conformance.allowed import PENDING_UNASKED, TORCH, UNASKED
 from fsdptest.conformance.scenario import (
-    Block,
     LayerKind,
     Net,
     Optimizer,
@@ -22,7 +21,7 @@ from fsdptest.conformance.scenario import (
     StateDictKind,
 )
 from fsdptest.implementations import resolve
-from fsdptest.properties.examples import Sharding, biased_one_by_one
+from fsdptest.properties.examples import Sharding, biased_one_by_one, first_block_trainable
 
 _ACCELERATOR_ONLY = (
     "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
@@ -311,17 +310,7 @@ def _without_one_element_units(net: Net) -> Net:
 
 
 def _first_block_trainable(net: Net) -> Net:
-    done = False
-
-    def visit(block: Block) -> Block:
-        nonlocal done
-        layers = block.layers
-        if not done and any(layer.has_params() for layer in layers):
-            layers = tuple(dataclasses.replace(layer, frozen=False) for layer in layers)
-            done = True
-        return Block(layers, tuple(visit(child) for child in block.children))
-
-    return dataclasses.replace(net, blocks=tuple(visit(block) for block in net.blocks))
+    return dataclasses.replace(net, blocks=first_block_trainable(net.blocks))
 
 
 # -- divergences of ours, reported for fixing ------------------------------------------------------

@@ -372,3 +372,20 @@ def biased_one_by_one(
         fixed.append(fix(block, width))
         width = block.out_width(width)
     return tuple(fixed)
+
+
+def first_block_trainable(blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``blocks`` (of either model description) with the layers of the first block,
+    in forward order, that has parameters unfrozen."""
+    done = False
+
+    def visit(block: Any) -> Any:
+        nonlocal done
+        layers = block.layers
+        if not done and any(layer.has_params() for layer in layers):
+            layers = tuple(dataclasses.replace(layer, frozen=False) for layer in layers)
+            done = True
+        children = tuple(visit(child) for child in block.children)
+        return dataclasses.replace(block, layers=layers, children=children)
+
+    return tuple(visit(block) for block in blocks)

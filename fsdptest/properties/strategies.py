@@ -101,6 +101,7 @@ from fsdptest.properties.examples import (
     Step,
     Wrap,
     biased_one_by_one,
+    first_block_trainable,
 )
 
 SIZES = (1, 2, 3, 5, 7, 11, 13)
@@ -277,17 +278,7 @@ def _for_torch(example: Example) -> Example:
 
 def _first_block_trainable(model: Model) -> Model:
     """Unfreezes the layers of the first block (in forward order) that has parameters."""
-    done = False
-
-    def visit(block: Block) -> Block:
-        nonlocal done
-        layers = block.layers
-        if not done and any(layer.has_params() for layer in layers):
-            layers = tuple(dataclasses.replace(layer, frozen=False) for layer in layers)
-            done = True
-        return Block(layers, tuple(visit(child) for child in block.children))
-
-    return dataclasses.replace(model, blocks=tuple(visit(block) for block in model.blocks))
+    return dataclasses.replace(model, blocks=first_block_trainable(model.blocks))
 
 
 def _synced(microbatches: str) -> str:
