@@ -227,8 +227,11 @@ class Target:
         return self.asks("REPLACED_DATA_WITH_STALE_UNSHARDED_PARAMETER")
 
     def may_clip_inf(self, setup: Setup, net: Net | None) -> bool:
+        """See ``CLIP_AFTER_INF_NORM_WITH_FROZEN``: at 2 ranks every rank holds part
+        of a parameter (no unit has one element), at 3 or more a small unit may not."""
         frozen = net is not None and any(layer.frozen for layer in net.layers())
-        return not (setup.use_orig_params and frozen) or self.asks(
+        sharded = setup.sharding is not Sharding.NO_SHARD and self.world_size >= 3
+        return not (setup.use_orig_params and (frozen or sharded)) or self.asks(
             "CLIP_AFTER_INF_NORM_WITH_FROZEN"
         )
 
