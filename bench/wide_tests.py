@@ -41,8 +41,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     least = int(config.getoption("wide_tests"))
     if least <= 0:
         return
-    kept = [item for item in items if ranks_of(item) >= least]
-    dropped = [item for item in items if ranks_of(item) < least]
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (kept if ranks_of(item) >= least else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
