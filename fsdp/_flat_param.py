@@ -396,7 +396,9 @@ class FlatParamHandle:
         """End of backward: the sharded gradient for the optimizer (see
         fsdp._grads), then back to idle."""
         fresh = self.grads.finish_backward(synced)
-        if self._use_orig_params:
+        if self._use_orig_params and self.flat_param.requires_grad:
+            # A frozen unit's gradients are the user's: no backward of FSDP's
+            # touches them (torch's FSDP finalizes only units that need them).
             if fresh:
                 self.views.fresh_grads()
             self._show_grads()

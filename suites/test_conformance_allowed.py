@@ -107,19 +107,6 @@ PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
         "vmsnA8QmvJHFx2Telv51Mh690ulsNPtCX76NY8lMlimDpoOh3FYd6307uYf5EsnYIEva8u6dN6fnr-uH"
         "M2wGhAyHehx2cRTbeU0e_zN8xPIuynq1mifrPvrOpGZq92NR_wfZUYHo"
     ),
-    # the twelfth deep run's scenario (3 ranks), cut to the gradients set, a forward and
-    # a backward, at 2 ranks
-    "FROZEN_ORIG_PARAMS_USER_GRADIENT_DROPPED": sc.Scenario.from_replay_id(
-        "eNqNU01PAjEQ_StmznsBjZi9aTTBkwmelJCmtLPshNLWtisq4b873QUERfTW-Xpv5s10BUsXjBaRPhDK"
-        "fgERUUN5Nbi4LMBignIFr07JKZSDApakU92-"
-        "psapeYRyvAIj3zF0zzlZLgbrwgI4hyS7K2kiFlAF94EWyhQaXBe71ERMt2dvSg-"
-        "yJwWomowO2XOUMCppENaTDPRLO3scU5lU_WePk5Nw_5tOucYmDN-zPSNSTGjTxnW0uX_MrWpUc--"
-        "ISTTs1tM_oPsp7qmZj04caxlaglNLPCTN6nH_rkm-"
-        "Sew9z5f1AmVvnR-p8fmwMq4mO2MIMXy6Gd3fisfh9ehWPN-"
-        "NHvqMuMBYd2wFNBGFCzQTXga5iFv3gt5QCx9QUSRnM2ybIHR693zSUBknU--"
-        "S0XiGRuEuMP2KKBmTqFxYcj-CbNdyh581i-wTVWPMPk-nAe9LzdsyDlXIu2t1tpjV2gB-"
-        "RTrIZZA-83dfqACyxIfAwybJZwrOZ_HHWaazWZCa-E44bcV6jreYW3PLvguTlaY1JutPG2ZT5g=="
-    ),
     "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE": sc.Scenario(
         2,
         NET,

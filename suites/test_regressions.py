@@ -833,25 +833,39 @@ class TestWriteback(FSDPTest):
         self.assertEqual(saved.reshape(-1), halved, rtol=0, atol=0)
 
     def test_user_gradient_of_a_frozen_unit_stays(self) -> None:
-        """A gradient the user sets on a frozen unit's flat parameter stays through
-        a forward and backward, as autograd leaves a parameter that needs none."""
-        self.run_subtests({"sharding_strategy": list(ALL_STRATEGIES)}, self._check_frozen_grad)
+        """A gradient the user sets on a frozen unit's parameters stays through a
+        forward and backward, as autograd leaves a parameter that needs none. With
+        ``use_orig_params`` the post-forward reshard shows the sharded gradient views,
+        which a frozen parameter has none of, except where forward's views are kept
+        (SHARD_GRAD_OP): its gradient is None after such a forward (torch's FSDP and
+        this one alike); no backward touches it."""
+        self.run_subtests(
+            {"sharding_strategy": list(ALL_STRATEGIES), "use_orig_params": [False, True]},
+            self._check_frozen_grad,
+        )
 
-    def _check_frozen_grad(self, sharding_strategy: ShardingStrategy) -> None:
+    def _check_frozen_grad(self, sharding_strategy: ShardingStrategy, use_orig_params: bool) -> None:
         base = _blocks()
         for param in base[1].parameters():
             param.requires_grad_(False)
-        model = _wrap(base, sharding_strategy=sharding_strategy)
-        (frozen,) = [p for p in model.parameters() if not p.requires_grad]
-        frozen.grad = torch.full_like(frozen, 0.25)
+        model = _wrap(base, sharding_strategy=sharding_strategy, use_orig_params=use_orig_params)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.assertEqual(len(frozen), 2 if use_orig_params else 1)
+        for param in frozen:
+            param.grad = torch.full_like(param, 0.25)
         model(_input(self.rank)).sum().backward()
         sharded = sharding_strategy in SHARDED
-        if ADAPTER.known_defects.drops_user_gradient_of_frozen_unit and sharded:
+        if use_orig_params and sharding_strategy is not ShardingStrategy.SHARD_GRAD_OP:
+            for param in frozen:
+                self.assertIsNone(param.grad)
+            return
+        if not use_orig_params and ADAPTER.known_defects.drops_user_gradient_of_frozen_unit and sharded:
             # fsdptest.conformance.allowed's FROZEN_UNIT_USER_GRADIENT_DROPPED;
             # asserted, so that a fix in torch shows up here.
-            self.assertIsNone(frozen.grad)
+            self.assertIsNone(frozen[0].grad)
             return
-        self.assertEqual(frozen.grad, torch.full_like(frozen, 0.25), rtol=0, atol=0)
+        for param in frozen:
+            self.assertEqual(param.grad, torch.full_like(param, 0.25), rtol=0, atol=0)
 
     def test_load_state_dict_then_forward(self) -> None:
         """Loading another model's state dict makes the outputs equal to it."""

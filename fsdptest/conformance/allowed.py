@@ -443,19 +443,6 @@ PENDING_UNASKED = _entries(
         pending=True,
     ),
     Unasked(
-        "FROZEN_ORIG_PARAMS_USER_GRADIENT_DROPPED",
-        "use_orig_params and a unit whose parameters are all frozen (e.g. a frozen norm "
-        "layer kept in full precision as a unit of its own): a gradient a user sets on "
-        "its parameter stays through a backward in torch's FSDP (the unit's post-backward "
-        "never runs), as autograd leaves it; ours shows None at the end of backward (the "
-        "rule for frozen parameters' own gradients, BUGS.md class 7, applied to a user's). "
-        "Ours to fix (leave such units' gradients alone); setups with frozen layers and "
-        "use_orig_params set no gradients where torch is the reference",
-        "suites/test_conformance_allowed.py::TestAllowedDifferences::"
-        "test_unasked_divergence_is_still_there",
-        pending=True,
-    ),
-    Unasked(
         "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE",
         "NO_SHARD units with use_orig_params: p.data replaced by a tensor of the same "
         "number of elements and another shape (p.data = p.reshape(-1)): torch writes the "

@@ -236,13 +236,11 @@ class Target:
         )
 
     def may_set_gradients_of_frozen_units(self, setup: Setup, net: Net | None) -> bool:
-        """See ``FROZEN_UNIT_USER_GRADIENT_DROPPED`` and the pending
-        ``FROZEN_ORIG_PARAMS_USER_GRADIENT_DROPPED``."""
+        """See ``FROZEN_UNIT_USER_GRADIENT_DROPPED``."""
         frozen = net is not None and any(layer.frozen for layer in net.layers())
-        if frozen and setup.use_orig_params:
-            return self.asks("FROZEN_ORIG_PARAMS_USER_GRADIENT_DROPPED")
+        flat_frozen = frozen and not setup.use_orig_params
         sharded = setup.sharding is not Sharding.NO_SHARD
-        return not (frozen and sharded) or self.asks("FROZEN_UNIT_USER_GRADIENT_DROPPED")
+        return not (flat_frozen and sharded) or self.asks("FROZEN_UNIT_USER_GRADIENT_DROPPED")
 
     def may_save_local_before_writeback(self) -> bool:
         """See ``LOCAL_SAVE_SKIPS_WRITEBACK``."""
