@@ -16,6 +16,14 @@ hooks (``fp16_compress_hook``, ``bf16_compress_hook``), which cast it
 themselves and, as in torch, get it in the dtype backward produced. Whatever
 dtype the hook leaves, the result is cast to the gradient dtype the optimizer
 expects. Hybrid strategies refuse hooks (their reduction has two steps).
+
+[Note: A one-rank group sums nothing]
+A ``NO_SHARD`` unit whose group is one rank (FSDP on one rank, or a user's
+one-rank group) holds the whole gradient already: an all-reduce over one rank
+returns its input. Torch's FSDP still calls it; on NCCL each call costs about
+0.1 ms of host time, for every unit and step, which is most of what one GPU
+pays for FSDP's reduction of a many-unit model (docs/benchmarks.md). It is
+skipped; a communication hook still gets the gradient (the hook is the user's).
 """
 
 from __future__ import annotations
@@ -94,14 +102,14 @@ def reduce_gradient(
 def _sum(grad: Tensor, plan: ReducePlan) -> Tensor:
     """Sums the gradient over the shard group (reduce-scatter, or all-reduce
     for ``NO_SHARD``), then over the replicate group of hybrid sharding. A
-    hybrid unit whose shard group is one rank holds the whole gradient and
-    only the replicas sum it."""
+    unit whose shard group is one rank holds the whole gradient: only the
+    replicas sum it, if any (see [Note: A one-rank group sums nothing])."""
     if plan.sharded:
         padded, reduced = _reduce_scatter_tensors(grad, plan)
         _comm.reduce_scatter(reduced, padded, plan.group)
     else:
         reduced = grad
-        if plan.group.size() > 1 or plan.replicate_group is None:
+        if plan.group.size() > 1:
             _comm.all_reduce(reduced, plan.group)
     if plan.replicate_group is not None:
         _comm.all_reduce(reduced, plan.replicate_group)
