@@ -20,6 +20,8 @@ Every FSDP mode has one unit per transformer block (plus the root) and, with
 table (median and min step time, spread, peak memory, TFLOP/s per GPU, final
 loss), says whether the final losses agree, and with ``--json`` writes it all.
 ``--profile MODE[,MODE...]`` also writes a chrome trace of two more steps of those modes.
+``--rounds R`` times the modes in R interleaved rounds instead of one after the other
+(see [Note: Interleaved rounds]).
 """
 
 from __future__ import annotations
@@ -96,6 +98,17 @@ LOSS_RTOL = {"bf16": 2e-2, "fp32": 1e-4}
 # so it covers the training steps, not the transient unsharded model built before sharding.
 # The final loss is the mean over ranks of the last timed step's loss (before its update).
 #
+# [Note: Interleaved rounds]
+# On a shared host the step time of a CPU-bound configuration (the latency preset: the GPU is
+# busy for about a fifth of a step) moves by tens of percent within minutes, so modes timed
+# one after the other are compared across different host conditions: in one run DDP's median
+# was 118.6 ms and three minutes later 147.7 ms. With ``--rounds R`` every mode is built and
+# warmed up first, then the timed steps are taken in R rounds, each round timing
+# ``ceil(steps / R)`` steps of every mode, the order reversed every other round: slow spells of
+# the host fall on all modes alike and the ratios of medians are comparable. All models are
+# resident at once, so peak memory is not a mode's own and is not reported (run the modes
+# one after the other, the default, for memory).
+#
 # [Note: Launch]
 # Under torchrun (RANK and WORLD_SIZE set) the process group is initialised from the
 # environment. Otherwise the script spawns ``--world-size`` ranks that rendezvous through a
@@ -155,6 +168,7 @@ class BenchConfig:
     held: tuple[str, ...]  # modes whose memory held between steps is attributed
     out_dir: Path
     json_path: Path | None
+    rounds: int = 1  # see [Note: Interleaved rounds]
 
     @property
     def low_precision(self) -> torch.dtype | None:
@@ -463,6 +477,30 @@ def measure_mode(mode: str, cfg: BenchConfig, env: RankEnv, batch: Batch) -> Mod
     return result
 
 
+def interleaved_modes(cfg: BenchConfig, env: RankEnv, batch: Batch) -> list[ModeResult]:
+    """See [Note: Interleaved rounds]."""
+    steps: dict[str, Callable[[], torch.Tensor]] = {}
+    first: dict[str, torch.Tensor] = {}
+    for mode in cfg.modes:
+        run = build_run(mode, cfg, env)
+        steps[mode] = lambda run=run: train_step(run, batch)
+        first[mode] = steps[mode]()
+        for _ in range(cfg.warmup - 1):
+            steps[mode]()
+    times: dict[str, list[float]] = {mode: [] for mode in cfg.modes}
+    last: dict[str, torch.Tensor] = {}
+    per_round = -(-cfg.steps // cfg.rounds)
+    for index in range(cfg.rounds):
+        for mode in cfg.modes if index % 2 == 0 else cfg.modes[::-1]:
+            dist.barrier()
+            round_times, last[mode] = timed_steps(steps[mode], per_round, env.device)
+            times[mode].extend(round_times)
+    return [
+        summarize(mode, times[mode], (first[mode], last[mode]), cfg, env, own_peak=False)
+        for mode in cfg.modes
+    ]
+
+
 def run_mode(mode: str, cfg: BenchConfig, env: RankEnv, batch: Batch) -> ModeResult:
     """Measures one mode; everything it built is freed before the next mode starts."""
     dist.barrier()
@@ -477,9 +515,11 @@ def summarize(
     losses: tuple[torch.Tensor, torch.Tensor],
     cfg: BenchConfig,
     env: RankEnv,
+    own_peak: bool = True,
 ) -> ModeResult:
     """Combines the ranks' measurements (collectives: every rank calls it);
-    ``losses`` are the first and the last step's."""
+    ``losses`` are the first and the last step's; ``own_peak``: the device's peak
+    memory is this mode's alone."""
     step_ms = torch.tensor(times, dtype=torch.float64, device=env.device)
     dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)
     mean_loss = torch.stack([loss.float().reshape(()) for loss in losses]).to(env.device)
@@ -488,7 +528,7 @@ def summarize(
     return ModeResult(
         mode=mode,
         step_ms=step_ms.tolist(),
-        peak_gib=peak_gib(env),
+        peak_gib=peak_gib(env) if own_peak else None,
         final_loss=mean_loss[1].item() / env.world_size,
         first_loss=mean_loss[0].item() / env.world_size,
         tflops=cfg.model.flops_per_step() / median_s / 1e12,
@@ -671,6 +711,7 @@ def describe_run(cfg: BenchConfig, env: RankEnv) -> str:
         f"{m.flops_per_step() / 1e12:.4g} TFLOP per rank and step\n"
         f"{env.world_size} ranks on {device_name(env.device)}, {cfg.dtype}, "
         f"torch {torch.__version__}, {cfg.warmup} warmup + {cfg.steps} timed steps"
+        + (f" in {cfg.rounds} interleaved rounds" if cfg.rounds > 1 else "")
     )
 
 
@@ -767,8 +808,8 @@ def worker(cfg: BenchConfig, env: RankEnv) -> None:
     if env.rank == 0:
         print(describe_run(cfg, env), flush=True)
     batch = make_batch(cfg, env)
-    results = []
-    for mode in cfg.modes:
+    results = interleaved_modes(cfg, env, batch) if cfg.rounds > 1 else []
+    for mode in cfg.modes if cfg.rounds == 1 else ():
         results.append(run_mode(mode, cfg, env, batch))
         if env.rank == 0:
             print(f"  {mode}: median {results[-1].median_ms:.2f} ms", flush=True)
@@ -809,6 +850,9 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--rounds", type=int, default=1, help="time the modes in this many interleaved rounds"
+    )
+    parser.add_argument(
         "--profile",
         metavar="MODES",
         default="",
@@ -832,6 +876,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         parser.error(f"--profile {opts.profile} names modes not in --modes")
     if opts.steps < 1:
         parser.error("--steps must be at least 1")
+    if opts.rounds < 1 or opts.rounds > opts.steps:
+        parser.error("--rounds must be between 1 and --steps")
+    if opts.rounds > 1 and (profiled or opts.held_memory):
+        parser.error("--rounds > 1 keeps every mode resident: no --profile or --held-memory")
     if opts.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step's loss is the loss scale)")
     preset = opts.preset or ("gpt-937m" if on_cuda else "tiny")
@@ -853,6 +901,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         held=tuple(m for m in opts.held_memory.split(",") if m),
         out_dir=opts.out_dir,
         json_path=opts.json_path,
+        rounds=opts.rounds,
     )
 
 
