@@ -184,6 +184,9 @@ class KnownDefects:
     inf_norm_of_empty_user_gradient: bool = False
     """clip_grad_norm_(norm_type=inf) raises on a rank whose empty original
     parameter has a user's gradient (suites/test_clip_grad_norm.py)."""
+    keeps_replaced_shape_of_no_shard_parameter: bool = False
+    """NO_SHARD, use_orig_params: ``p.data`` of another shape stays shown, and a full
+    state dict saves it in that shape (suites/test_regressions.py::TestWriteback)."""
     zero_grad_keeps_gradient_set_aside_by_no_sync: bool = False
     """zero_grad(set_to_none=True) after a backward under no_sync leaves the sharded
     gradient from before the window to the next synced backward

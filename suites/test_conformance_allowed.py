@@ -93,27 +93,7 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
 PENDING_WITNESSES: dict[str, sc.Scenario] = {}
 
 # A scenario holding each call that is not drawn for ours.
-PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {
-    # the sixth deep run's scenario, as drawn
-    "NO_SHARD_USER_GRADIENTS_AND_SUMMONED_GRADIENTS": sc.Scenario.from_replay_id(
-        "eNqtU8uO2jAU_RXkdRaF0QgpO8pUatVRqQpSFwhZxr4hVhzbsp1SivLvvSYJb2ZAml2wfc_rHrZkbZwS"
-        "1Mt_QNJBQjyAIGl_OHx-ToiGQNIt-WM4W5L0KSFrKUJO0mFClsrwwpN0viWKbcA1n4XUOE08ZwpIvaiT"
-        "a7dBIgUiSIbHGVMe4rv2kptKB3A373fD9SIhPJdKONA3JCipgUWYVvLTKeANaTwHXlgjUYIgJ3bfFItw"
-        "jwEeY1x9MbhF6XPmLuJ7PI5-_648mkXe0rJkgefauJK862e4iwh1xv3RHBg-Da6ChJgq2Cog-qCO7QuV"
-        "jZWLNoXUKwT8MaHTr6NfLwhWgs-7ucoDNU6uqGWOlb47XjJerHGWWgcZoD5E-Dwaf_-NCPTnZDpDmMy4"
-        "syfN7NoxG2011U6I1BL7j6yBoUNibMxmHkX2Vo4JCRp1o3NtNNBMOh8aJPQ5JxCb0fNVWRpNs0qpTigO"
-        "OOCV89AmGkMKOY2Q_hjgL7In22OwwAJQIXmgYWMhIqGWgDH5mBk3OpMrv0d1TBefqNFq0xkUAbQ3riW5"
-        "YHFgFePQ2wmFyCgYWm9v37WNCSHXRRBcSbszR2NV6IFsJT1yUG7KkubGFHuivc3uJPPC0tKISoE_i-Rq"
-        "vmsnA8QmvJHFx2Telv51Mh690ulsNPtCX76NY8lMlimDpoOh3FYd6307uYf5EsnYIEva8u6dN6fnr-uH"
-        "M2wGhAyHehx2cRTbeU0e_zN8xPIuynq1mifrPvrOpGZq92NR_wfZUYHo"
-    ),
-    "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE": sc.Scenario(
-        2,
-        NET,
-        sc.Setup(sharding=Sharding.NO_SHARD, use_orig_params=True),
-        (sc.ReplaceData(flatten=True), sc.SaveStateDict(), sc.Final()),
-    ),
-}
+PENDING_UNASKED_WITNESSES: dict[str, sc.Scenario] = {}
 
 
 def _witnesses_at(world_size: int) -> list[str]:
@@ -522,8 +502,15 @@ class TestTorchLimitations(FSDPTest):
         """USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK: a unit per linear (not the
         root, which keeps its parameters after forward); the first weight's gradient
         set alone, a forward (the writeback marks its bias None), every gradient
-        set, a forward: the bias shows None where it is in the rank's shard, and the
-        backward's gradient lacks the user's value."""
+        set, a forward: the bias shows None where it is in the rank's shard (every
+        rank under NO_SHARD), and the backward's gradient lacks the user's value."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        strategies = [torch_fsdp.ShardingStrategy.FULL_SHARD, torch_fsdp.ShardingStrategy.NO_SHARD]
+        self.run_subtests({"sharding_strategy": strategies}, self._check_hidden_gradient)
+
+    def _check_hidden_gradient(self, sharding_strategy: object) -> None:
+        import torch.distributed.fsdp as torch_fsdp
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         def build() -> nn.Module:
@@ -532,11 +519,13 @@ class TestTorchLimitations(FSDPTest):
                 nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
                 use_orig_params=True,
                 auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                sharding_strategy=sharding_strategy,
             )
 
         model, x = build(), torch.ones(2, 3)
         weight, bias = list(model.parameters())[:2]
-        self.assertEqual(bias.numel(), 3 if self.rank == 1 else 0)  # 12 elements: 6 a rank
+        held = self.rank == 1 or sharding_strategy is torch_fsdp.ShardingStrategy.NO_SHARD
+        self.assertEqual(bias.numel(), 3 if held else 0)  # FULL_SHARD: 12 elements, 6 a rank
         weight.grad = torch.full_like(weight, 0.25)
         with torch.no_grad():
             model(x)

@@ -145,6 +145,17 @@ UNASKED = _entries(
         "suites/test_regressions.py::TestWriteback::test_user_gradient_of_a_frozen_unit_stays",
     ),
     Unasked(
+        "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE",
+        "NO_SHARD units with use_orig_params: p.data replaced by a tensor of the same "
+        "number of elements and another shape (p.data = p.reshape(-1)): torch's FSDP writes "
+        "the values back but keeps showing the user's shape until the next unshard, and a "
+        "full state dict saved meanwhile holds that shape (it no longer loads into the "
+        "unwrapped module); this project's FSDP shows each parameter in its own shape again "
+        "at the writeback. NO_SHARD units replace data only of the same shape where either "
+        "side is torch's",
+        "suites/test_regressions.py::TestWriteback::test_no_shard_data_of_another_shape",
+    ),
+    Unasked(
         "LOCAL_SAVE_SKIPS_WRITEBACK",
         "use_orig_params: p.data = ... on the original parameters, then a LOCAL_STATE_DICT "
         "save before anything writes back (a forward, a summon): torch's FSDP saves its "
@@ -381,8 +392,10 @@ UNASKED = _entries(
         "_is_grad_none_mask, cleared only by a backward), then gradients the user sets on "
         "every parameter: after the next forward torch's FSDP shows such a parameter's .grad "
         "as None and the next backward's gradient lacks the user's value; this project's "
-        "FSDP keeps it. After gradients set on some parameters only, no gradients are set "
-        "again before a synced backward where either side is torch's",
+        "FSDP keeps it. Every strategy, NO_SHARD too (a summon's reshard of the gradient "
+        "hides it as well, at once on ranks other than 0 under rank0_only). After gradients "
+        "set on some parameters only, no gradients are set again before a synced backward "
+        "where either side is torch's",
         "suites/test_conformance_allowed.py::TestTorchLimitations::"
         "test_user_gradient_hidden_after_a_none_writeback",
     ),
@@ -430,31 +443,8 @@ def _pending(name: str, reason: str, rewrite: Rewrite) -> Normalised:
 
 PENDING: dict[str, Normalised] = {}  # none at present: every divergence found is fixed or reasoned
 
-PENDING_UNASKED = _entries(
-    Unasked(
-        "NO_SHARD_USER_GRADIENTS_AND_SUMMONED_GRADIENTS",
-        "NO_SHARD units with use_orig_params: gradients a user set (p.grad = ...), then "
-        "summon_full_params(with_grads=True) (the sixth deep run: rank0_only summons "
-        "among state-dict contexts): torch's non-zero ranks show no gradient inside and "
-        "after the summon, ours keeps the user's. Not decided yet; NO_SHARD units do not "
-        "set gradients where torch is the reference",
-        "suites/test_conformance_allowed.py::TestAllowedDifferences::"
-        "test_unasked_divergence_is_still_there",
-        pending=True,
-    ),
-    Unasked(
-        "NO_SHARD_REPLACED_DATA_OF_ANOTHER_SHAPE",
-        "NO_SHARD units with use_orig_params: p.data replaced by a tensor of the same "
-        "number of elements and another shape (p.data = p.reshape(-1)): torch writes the "
-        "values back and its next state dict holds the user's shape, ours shows the "
-        "parameter's shape again at once. Not decided yet (a misuse torch does not "
-        "refuse); NO_SHARD units replace data only of the same shape where torch is the "
-        "reference",
-        "suites/test_conformance_allowed.py::TestAllowedDifferences::"
-        "test_unasked_divergence_is_still_there",
-        pending=True,
-    ),
-)
+# none at present: every divergence of ours found is fixed or reasoned
+PENDING_UNASKED: dict[str, Unasked] = {}
 
 
 def normalisations(impl: str, reference: str) -> list[Normalised]:

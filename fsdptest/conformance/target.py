@@ -193,18 +193,14 @@ class Target:
         return setup.offload_params and not self.asks("OFFLOAD_ACCUMULATION_OUTSIDE_NO_SYNC")
 
     def may_set_gradients(self, setup: Setup) -> bool:
-        """See ``USER_GRADIENTS_WITH_KEPT_LOW_PRECISION`` and the pending
-        ``NO_SHARD_USER_GRADIENTS_AND_SUMMONED_GRADIENTS``."""
+        """See ``USER_GRADIENTS_WITH_KEPT_LOW_PRECISION``."""
         precision = setup.mixed_precision
         kept_low = (
             precision is not None
             and precision.keep_low_precision_grads
             and precision.param_dtype is not None
         )
-        if kept_low and not self.asks("USER_GRADIENTS_WITH_KEPT_LOW_PRECISION"):
-            return False
-        no_shard = setup.sharding is Sharding.NO_SHARD
-        return not no_shard or self.asks("NO_SHARD_USER_GRADIENTS_AND_SUMMONED_GRADIENTS")
+        return not kept_low or self.asks("USER_GRADIENTS_WITH_KEPT_LOW_PRECISION")
 
     def may_replace_data_of_another_shape(self, setup: Setup) -> bool:
         no_shard = setup.sharding is Sharding.NO_SHARD
