@@ -79,11 +79,12 @@ def assign_grad(tensor: Tensor, grad: Tensor | None) -> None:
     differs (low-precision gradients; an unsharded gradient on the device for a
     parameter offloaded to the CPU under ``no_sync``): ``.grad`` only accepts a
     matching tensor, ``.grad.data`` anything."""
-    if grad is None or (
-        grad.dtype == tensor.dtype and grad.shape == tensor.shape and grad.device == tensor.device
-    ):
-        tensor.grad = grad
+    try:
+        tensor.grad = grad  # checks the metadata itself, faster than three reads here
         return
+    except RuntimeError:
+        if grad is None:
+            raise
     tensor.grad = None
     tensor.grad = torch.empty_like(tensor)
     tensor.grad.data = grad
