@@ -12,6 +12,7 @@
 #   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)
 #   bash bench/gpu_session.sh wide             # 4+ GPUs: the 3- and 4-rank suite tests, both
 #                                              # implementations at once (one lease dir)
+#   bash bench/gpu_session.sh whole IMPL [PATHS]  # PATHS (default: the whole suite) -n 8, any GPUs
 #
 # Needs the expecttest wheel in .whl/ (carried: it is not installed there).
 set -uo pipefail
@@ -122,6 +123,14 @@ wide)
         grep -A30 "distributed tests ==" "$OUT/wide-$impl.log" | grep -v "^SKIPPED" | tail -n 30
     done
     python3 bench/lease_cost.py --journal /tmp/leases-wide | tail -n 12
+    ;;
+whole)
+    impl=${1:-local}
+    shift || true
+    rm -rf "/tmp/leases-whole-$impl"
+    sampled "whole-$impl" timeout -s INT 570 $PYTEST "$@" -n 8 -q -rfE --tb=line \
+        --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-whole-$impl" \
+        --junitxml="$OUT/whole-$impl.xml"
     ;;
 *)
     echo "unknown step $STEP" >&2
