@@ -844,7 +844,9 @@ class TestWriteback(FSDPTest):
             self._check_frozen_grad,
         )
 
-    def _check_frozen_grad(self, sharding_strategy: ShardingStrategy, use_orig_params: bool) -> None:
+    def _check_frozen_grad(
+        self, sharding_strategy: ShardingStrategy, use_orig_params: bool
+    ) -> None:
         base = _blocks()
         for param in base[1].parameters():
             param.requires_grad_(False)
@@ -859,7 +861,11 @@ class TestWriteback(FSDPTest):
             for param in frozen:
                 self.assertIsNone(param.grad)
             return
-        if not use_orig_params and ADAPTER.known_defects.drops_user_gradient_of_frozen_unit and sharded:
+        if (
+            not use_orig_params
+            and ADAPTER.known_defects.drops_user_gradient_of_frozen_unit
+            and sharded
+        ):
             # fsdptest.conformance.allowed's FROZEN_UNIT_USER_GRADIENT_DROPPED;
             # asserted, so that a fix in torch shows up here.
             self.assertIsNone(frozen[0].grad)
