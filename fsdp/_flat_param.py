@@ -57,7 +57,13 @@ from fsdp._orig_params import OrigParamViews
 from fsdp._reduce import CommHookSpec, ReducePlan, reduce_gradient
 from fsdp._storage import FlatParameter, FlatParamStorage, free_storage
 from fsdp._streams import CommStreams
-from fsdp._unit_state import TORCH_STATE, UNIT_TRANSITIONS, UnitState
+from fsdp._unit_state import (
+    PREFETCH_TRANSITIONS,
+    TORCH_STATE,
+    UNIT_TRANSITIONS,
+    Prefetch,
+    UnitState,
+)
 
 __all__ = [
     "FlatParamHandle",
@@ -96,8 +102,7 @@ class FlatParamHandle:
     views: OrigParamViews
     grads: FlatParamGrads
     lifecycle: Lifecycle[UnitState]
-    prefetched: bool
-    _forward_views_prefetched: bool  # see [Note: Forward prefetch shows the views at once]
+    prefetch: Lifecycle[Prefetch]
     has_optim_in_backward: bool
     _sharding_strategy: HandleShardingStrategy
     _keep_low_precision_grads: bool
@@ -164,8 +169,7 @@ class FlatParamHandle:
         )
         self.lifecycle = Lifecycle(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
         self.has_optim_in_backward = False
-        self.prefetched = False
-        self._forward_views_prefetched = False
+        self.prefetch = Lifecycle(Prefetch.NONE, PREFETCH_TRANSITIONS, "FlatParamHandle prefetch")
         self._streams = None
         self._unshard_event = None
         self.post_backward_hook = PostBackwardHook(self.flat_param)
@@ -334,7 +338,7 @@ class FlatParamHandle:
         if self._use_orig_params:
             self.flat_param.requires_grad_(any(p.requires_grad for p in self.views.params))
         if forward_prefetch:
-            self.prefetched = self._forward_views_prefetched = False
+            self.prefetch.move(Prefetch.NONE)
 
     # -- optimizers in backward ----------------------------------------------------------------
 
@@ -404,7 +408,7 @@ class FlatParamHandle:
             self._show_grads()
         self.post_backward_hook.remove()
         self.lifecycle.move(UnitState.IDLE)
-        self.prefetched = self._forward_views_prefetched = False
+        self.prefetch.move(Prefetch.NONE)
         self.views.end_iteration()
 
     def begin_summon(self) -> None:
@@ -460,6 +464,11 @@ class FlatParamHandle:
         if not prefetch:
             storage.finish_unshard(unsharded)
 
+    @property
+    def prefetched(self) -> bool:
+        """An unshard was started ahead of the unit's use (torch's ``_prefetched``)."""
+        return self.prefetch.state is not Prefetch.NONE
+
     def wait_for_unshard(self) -> None:
         event, self._unshard_event = self._unshard_event, None
         if event is not None:
@@ -475,7 +484,7 @@ class FlatParamHandle:
     def unshard_for_forward(self) -> None:
         """The unit's pre-forward: after a forward prefetch only waits, keeping the
         prefetch's views (see [Note: Forward prefetch shows the views at once])."""
-        if self._forward_views_prefetched:
+        if self.prefetch.state is Prefetch.SHOWN:
             self.wait_for_unshard()
             return
         self.unshard_for_compute()
@@ -484,19 +493,20 @@ class FlatParamHandle:
         """Forward prefetch: unshards now and shows forward's ``Tensor`` views (see
         [Note: Forward prefetch shows the views at once]); also where the data is
         at hand already (``NO_SHARD``, kept since forward), as torch's does."""
-        self.prefetched = True
+        self.prefetch.move(Prefetch.GATHERED)
         self.storage.force_full_precision = full_precision
         with profiler_label("FSDP::prefetch"):
             self.unshard()
         self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
-        self._forward_views_prefetched = True
+        self.prefetch.move(Prefetch.SHOWN)
 
     def unshard_ahead(self, full_precision: bool) -> torch.cuda.Event | None:
         """Starts the all-gather ahead of its use (a prefetch, or ``_unshard``);
         the unit's own unshard later finds the data ready. Returns the event the
         all-gather's users wait for (CUDA). Nothing is gathered when the unit
         holds its data already (``NO_SHARD``, kept since forward)."""
-        self.prefetched = True
+        if self.prefetch.state is Prefetch.NONE:
+            self.prefetch.move(Prefetch.GATHERED)
         if self.uses_sharded_strategy and not self.storage.is_unsharded():
             self.storage.force_full_precision = full_precision
             with profiler_label("FSDP::prefetch"):
@@ -614,7 +624,7 @@ class FlatParamHandle:
             gathered = free_unsharded and self.uses_sharded_strategy  # see fsdp._streams
             self._streams.release(storage.buffers_freed_by_reshard(free_unsharded), gathered)
         forward_data = storage.reshard(free_unsharded)
-        self.prefetched = self._forward_views_prefetched = False
+        self.prefetch.move(Prefetch.NONE)
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:

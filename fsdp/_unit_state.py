@@ -23,7 +23,7 @@ import enum
 
 from fsdp._common import HandleTrainingState
 
-__all__ = ["TORCH_STATE", "UNIT_TRANSITIONS", "UnitState"]
+__all__ = ["PREFETCH_TRANSITIONS", "TORCH_STATE", "UNIT_TRANSITIONS", "Prefetch", "UnitState"]
 
 
 class UnitState(enum.Enum):
@@ -73,4 +73,27 @@ TORCH_STATE = {
     _S.SUMMONED_BEFORE_BACKWARD: HandleTrainingState.SUMMON_FULL_PARAMS,
     _S.PRE_BACKWARD: HandleTrainingState.BACKWARD_PRE,
     _S.POST_BACKWARD: HandleTrainingState.BACKWARD_POST,
+}
+
+
+class Prefetch(enum.Enum):
+    """Whether the unit's next unshard was started ahead of its use (see [Note:
+    Execution order and prefetch] in fsdp._exec_order), beside ``UnitState``: a
+    unit is prefetched in any of its states, and every reshard, the end of
+    backward and a root forward with forward prefetch start it afresh."""
+
+    NONE = enum.auto()
+    GATHERED = enum.auto()  # the all-gather started (torch's ``_prefetched``)
+    # forward prefetch: gathered, and forward's views shown already (see [Note:
+    # Forward prefetch shows the views at once] in fsdp._flat_param)
+    SHOWN = enum.auto()
+
+    __hash__ = object.__hash__  # see UnitState
+
+
+_P = Prefetch
+PREFETCH_TRANSITIONS: dict[Prefetch, frozenset[Prefetch]] = {
+    _P.NONE: frozenset({_P.NONE, _P.GATHERED}),
+    _P.GATHERED: frozenset({_P.NONE, _P.GATHERED, _P.SHOWN}),
+    _P.SHOWN: frozenset({_P.NONE, _P.SHOWN}),
 }

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fsdptest.conformance import scenario as sc
+from fsdptest.conformance.history import GradHistory
 from fsdptest.conformance.setups import fit_inputs, ignored, nets, setups
 from fsdptest.conformance.target import Target
 from fsdptest.properties.examples import Sharding
@@ -103,27 +104,8 @@ class ProgramMachine(RuleBasedStateMachine):
         self.saved: list[Saved] = []
         self.saved_optim: list[SavedOptim] = []
         self.hooked = False
-        self.has_grads = False  # a backward ran since the last zero_grad(set_to_none=True)
+        self.history = GradHistory()  # see fsdptest.conformance.history
         self.kept = False  # a forward ran since the last synced backward (unsharded kept)
-        # a gradient from outside no_sync (a synced backward's, a user's) is held;
-        # a backward under no_sync sets it aside until the next synced one
-        # (``ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC``)
-        self.synced_grads = False
-        self.set_aside = False
-        # gradients a user set on some parameters only, and no synced backward since
-        # (``USER_GRADIENT_HIDDEN_AFTER_A_NONE_WRITEBACK``)
-        self.some_grads_set = False
-        # gradients a user set, maybe on empty views: no backward or clearing since
-        # (``INF_NORM_OF_AN_EMPTY_USER_GRADIENT``)
-        self.user_grads = False
-        # original parameters' data replaced, and no forward or summon since
-        # (``LOCAL_SAVE_SKIPS_WRITEBACK``)
-        self.replaced = False
-        # gradients a user set leave some parameters None (no backward since), and
-        # an optimizer step with such gradients gave some parameters no state
-        # (``OPTIM_STATE_OF_SOME_PARAMETERS_OF_A_UNIT``)
-        self.grads_partial = False
-        self.optim_partial = False
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -156,12 +138,9 @@ class ProgramMachine(RuleBasedStateMachine):
     def _add(self, *ops: sc.Op) -> None:
         self.ops.extend(ops)
         if any(isinstance(op, (sc.Forward, sc.EnterSummon)) for op in ops):
-            self.replaced = False  # written back
+            self.history.written_back()
         if any(isinstance(op, (sc.OptimStep, sc.ScalerStep)) for op in ops):
-            if self.grads_partial:
-                self.optim_partial = True
-            elif self.has_grads:
-                self.optim_partial = False
+            self.history.stepped()
 
     # -- training ------------------------------------------------------------------------------
 
@@ -204,7 +183,6 @@ class ProgramMachine(RuleBasedStateMachine):
             if windowed:
                 self._add(sc.Exit())
         self.inited = True
-        self.has_grads = True
         self.kept = self._in("no_sync")
         if clip is not None:
             self._clip(*clip)
@@ -220,7 +198,7 @@ class ProgramMachine(RuleBasedStateMachine):
         return offload or self._hook_needs_fresh_gradients()
 
     def _clip(self, max_norm: float, norm_type: float) -> None:
-        user_grads = self.user_grads and not self.TARGET.may_clip_inf_of_user_gradients()
+        user_grads = self.history.user_grads and not self.TARGET.may_clip_inf_of_user_gradients()
         if norm_type == float("inf") and (
             user_grads or not self.TARGET.may_clip_inf(self.setup, self.net)
         ):
@@ -232,7 +210,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def forward(self, no_grad: bool) -> None:
         """A forward on its own (not inside a summon: torch's FSDP then all-gathers
         on some ranks only under ``rank0_only``, and gloo aborts)."""
-        if self.has_grads and self._fresh_gradients_only():
+        if self.history.has_grads and self._fresh_gradients_only():
             no_grad = True
         self._add(sc.Forward(no_grad=no_grad))
         self.pending = not no_grad
@@ -245,7 +223,6 @@ class ProgramMachine(RuleBasedStateMachine):
         self._add(sc.Backward())
         self._backward_ran(self._in("no_sync"))
         self.pending = False
-        self.has_grads = True
         self.kept = self.kept and self._in("no_sync")
 
     @precondition(lambda self: self._free())
@@ -261,23 +238,13 @@ class ProgramMachine(RuleBasedStateMachine):
     def _zero_grad(self, set_to_none: bool, on_model: bool = False) -> None:
         """Gradients set aside by a ``no_sync`` backward are only zeroed where
         torch's FSDP is a side (``ZERO_GRAD_KEEPS_GRADIENT_SET_ASIDE_BY_NO_SYNC``)."""
-        if self.set_aside and not self.TARGET.may_clear_set_aside_gradient():
+        if self.history.set_aside and not self.TARGET.may_clear_set_aside_gradient():
             set_to_none = False
         self._add(sc.ZeroGrad(set_to_none=set_to_none, on_model=on_model))
-        self.has_grads = self.has_grads and not set_to_none
-        self.synced_grads = self.synced_grads and not set_to_none
-        self.set_aside = self.set_aside and not set_to_none
-        self.user_grads = self.user_grads and not set_to_none
-        self.grads_partial = self.grads_partial and not set_to_none
+        self.history.zero_grad(set_to_none)
 
     def _backward_ran(self, windowed: bool) -> None:
-        """A sharded unit sets aside the gradient a backward under no_sync starts from."""
-        sharded = self.setup.sharding is not Sharding.NO_SHARD
-        self.set_aside = windowed and (self.set_aside or (self.synced_grads and sharded))
-        self.synced_grads = self.synced_grads or not windowed
-        self.some_grads_set = self.some_grads_set and windowed
-        self.grads_partial = False
-        self.user_grads = self.user_grads and windowed
+        self.history.backward(windowed, sharded=self.setup.sharding is not Sharding.NO_SHARD)
 
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(mode=st.booleans())
@@ -289,7 +256,7 @@ class ProgramMachine(RuleBasedStateMachine):
             self._free()
             and not self._in("no_sync")
             and self.TARGET.may_accumulate(self.setup, self.net)
-            and (not self.has_grads or self.TARGET.may_no_sync_onto_gradient(self.setup))
+            and (not self.history.has_grads or self.TARGET.may_no_sync_onto_gradient(self.setup))
         )
     )
     @rule()
@@ -339,7 +306,7 @@ class ProgramMachine(RuleBasedStateMachine):
         lambda self: (
             self._free()
             and not (
-                self.replaced
+                self.history.replaced
                 and self.settings.kind is sc.StateDictKind.LOCAL
                 and not self.TARGET.may_save_local_before_writeback()
             )
@@ -382,7 +349,7 @@ class ProgramMachine(RuleBasedStateMachine):
             self._free()
             and self.TARGET.may_save_optim_state(self.setup)
             and not (
-                self.optim_partial
+                self.history.optim_partial
                 and self.setup.use_orig_params
                 and not self.TARGET.may_save_optim_state_of_some()
             )
@@ -466,7 +433,7 @@ class ProgramMachine(RuleBasedStateMachine):
         offload_to_cpu: bool,
         with_grads: bool,
     ) -> None:
-        after_window = self._in("no_sync") and self.has_grads
+        after_window = self._in("no_sync") and self.history.has_grads
         if after_window and not self.TARGET.may_summon_grads_after_no_sync_backward():
             with_grads = False
         self._add(
@@ -516,9 +483,9 @@ class ProgramMachine(RuleBasedStateMachine):
         with ``edit`` (and writeback) edit them (see [Note: Rules of their own for
         what few scenarios reach])."""
         edit = edit and not rank0_only and not self._in("no_sync")
-        if edit and not self.has_grads:  # gradients to edit
+        if edit and not self.history.has_grads:  # gradients to edit
             self._add(sc.Forward(), sc.Backward())
-            self.inited = self.has_grads = True
+            self.inited = True
             self._backward_ran(False)
             self.kept = self._in("no_sync")
         self._summon(recurse, True, rank0_only, False, with_grads=True)
@@ -537,7 +504,7 @@ class ProgramMachine(RuleBasedStateMachine):
             and not self._in("no_sync")
             and not self.TARGET.offload_keeps_newest_gradient(self.setup)
             and self.TARGET.may_set_gradients(self.setup)
-            and (not self.some_grads_set or self.TARGET.may_set_gradients_after_some())
+            and (not self.history.some_grads_set or self.TARGET.may_set_gradients_after_some())
             and self.TARGET.may_set_gradients_of_frozen_units(self.setup, self.net)
         )
     )
@@ -546,10 +513,7 @@ class ProgramMachine(RuleBasedStateMachine):
         """``p.grad = ...`` for every listed parameter, as a user writes it, or the
         first one's alone."""
         self._add(sc.SetGrads(none_first=none_first, only_first=only_first))
-        self.has_grads = self.synced_grads = True
-        self.some_grads_set = only_first or none_first
-        self.grads_partial = only_first or none_first
-        self.user_grads = True
+        self.history.set_by_user(some=only_first or none_first)
 
     @precondition(
         lambda self: (
@@ -564,7 +528,7 @@ class ProgramMachine(RuleBasedStateMachine):
         shape, a misuse)."""
         flatten = flatten and self.TARGET.may_replace_data_of_another_shape(self.setup)
         self._add(sc.ReplaceData(flatten=flatten))
-        self.replaced = True
+        self.history.data_replaced()
 
     @precondition(
         lambda self: self._free() and not self._in("no_sync") and self.TARGET.may_scale_gradients()
@@ -581,7 +545,7 @@ class ProgramMachine(RuleBasedStateMachine):
         backward = sc.ScaledBackward(growth_interval=self.scaler_growth[0])
         self._zero_grad(True)
         self._add(sc.Forward(), backward, sc.ScalerStep(clip))
-        self.inited = self.has_grads = True
+        self.inited = True
         self._backward_ran(False)
         self.kept = False
 
