@@ -86,6 +86,20 @@ class TrainingState(enum.Enum):
     __hash__ = object.__hash__  # singletons: identity hashing, in C (checked on every hook)
 
 
+class HandleShardingStrategy(enum.Enum):
+    """A unit's sharding strategy (torch's name; ``FULL_SHARD``'s and
+    ``HYBRID_SHARD``'s units shard alike, the hybrid ones over a shard group)."""
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+    _HYBRID_SHARD_ZERO2 = enum.auto()
+
+    def is_sharded(self) -> bool:
+        return self is not HandleShardingStrategy.NO_SHARD
+
+
 class HandleTrainingState(enum.Enum):
     """Lifecycle of one flat parameter within an iteration."""
 

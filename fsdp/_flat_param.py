@@ -27,7 +27,6 @@ units] and [Note: Forward prefetch shows the views at once] in fsdp._exec_order.
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch import Tensor, nn
 
 from fsdp import _comm
 from fsdp._backward_hook import PostBackwardHook
-from fsdp._common import HandleTrainingState, profiler_label
+from fsdp._common import HandleShardingStrategy, HandleTrainingState, profiler_label
 from fsdp._dtensor_extensions import DTensorExtensions, ParamExtension
 from fsdp._grads import FlatParamGrads
 from fsdp._layout import (
@@ -72,17 +71,6 @@ __all__ = [
     "HandleShardingStrategy",
     "HandleTrainingState",
 ]
-
-
-class HandleShardingStrategy(enum.Enum):
-    FULL_SHARD = enum.auto()
-    SHARD_GRAD_OP = enum.auto()
-    NO_SHARD = enum.auto()
-    HYBRID_SHARD = enum.auto()
-    _HYBRID_SHARD_ZERO2 = enum.auto()
-
-    def is_sharded(self) -> bool:
-        return self is not HandleShardingStrategy.NO_SHARD
 
 
 class FlatParamHandle:

@@ -85,7 +85,7 @@ class Prefetch(enum.Enum):
     NONE = enum.auto()
     GATHERED = enum.auto()  # the all-gather started (torch's ``_prefetched``)
     # forward prefetch: gathered, and forward's views shown already (see [Note:
-    # Forward prefetch shows the views at once] in fsdp._flat_param)
+    # Forward prefetch shows the views at once] in fsdp._exec_order)
     SHOWN = enum.auto()
 
     __hash__ = object.__hash__  # see UnitState
