@@ -30,7 +30,6 @@ PYTEST="python3 -m pytest -p no:cacheprovider"
 prelude() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
     python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || exit 1
     git log -1 --format='commit %h %s' 2>/dev/null || true
     python3 -c 'import torch, pytest, xdist; print("torch", torch.__version__, "nccl",
@@ -58,6 +57,9 @@ two_agents() {  # two torchrun agents ("nodes") on this machine, one GPU each
     grep -h "passed\|failed\|torchrun:" "$OUT"/agent*-"$port".log | grep -v "^\[" | sort | uniq -c
 }
 
+# Set here, not in prelude: a function piped into tee runs in a subshell, and an export
+# there would not reach the steps (the ranks would not find expecttest).
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 prelude | tee "$OUT/prelude.log"
 case "$STEP" in
 probe)

@@ -105,6 +105,11 @@ class TorchrunSession:
         """CUDA and NCCL when every rank has a GPU for its local rank (``auto``).
         Every rank learns every rank's GPU, for the reports' ``dist_gpus``."""
         assert self.exchange is not None
+        if requested == "cpu":
+            # CPU ranks do not see the host's GPUs, as the spawn launcher's CPU ranks do
+            # not: an FSDP given a module on the CPU and no device_id would compute on
+            # cuda:0 where CUDA is available. Nothing has initialised CUDA yet here.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         local = torch.cuda.is_available() and torch.cuda.device_count() > self.env.local_rank
         mine = _gpu_name(self.env.local_rank) if requested != "cpu" and local else None
         self.exchange.put_mine("cuda", (socket.gethostname(), mine))

@@ -28,8 +28,13 @@ HEADER = textwrap.dedent(
     """
 )
 
-# Where the inner sessions' ranks run (a GPU machine may run them on NCCL).
-WHERE = r"(cpu/gloo|cuda/nccl, GPUs [\d,]+)" if INNER_DEVICE != "cpu" else "cpu/gloo"
+# Where the inner sessions' ranks run (a GPU machine may run them on NCCL, or on
+# the CPU where it has fewer GPUs than the test has ranks, which the report names).
+WHERE = (
+    r"(cpu/gloo(, cpu fallback: needs \d+ GPUs, \d+ visible)?|cuda/nccl, GPUs [\d,]+)"
+    if INNER_DEVICE != "cpu"
+    else "cpu/gloo"
+)
 
 
 def src(body: str) -> str:

@@ -38,9 +38,14 @@ ON_CPU = INNER_DEVICE == "cpu"
 
 
 @pytest.mark.parametrize("impl", ["local", "torch"])
-def test_upstream_style_file_passes_under_both_implementations(inner: Any, impl: str) -> None:
+def test_upstream_style_file_passes_under_both_implementations(
+    inner: Any, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """tests/upstream/upstream_style/fsdp_apply_and_clip.py (upstream's idioms, only the imports
-    changed) passes, with upstream's class and test names."""
+    changed) passes on CPU ranks, with upstream's class and test names. The GPUs are hidden:
+    upstream's ``TestApply.world_size`` is the GPU count where there are GPUs, so on a one-GPU
+    machine its tests run on one rank and ``skip_if_lt_x_gpu(2)`` skips them, as upstream's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     run = inner(
         UPSTREAM_STYLE_FILE.read_text(),
         "-p",
@@ -48,6 +53,8 @@ def test_upstream_style_file_passes_under_both_implementations(inner: Any, impl:
         "--fsdp-impl",
         impl,
         "--map-cuda-to-cpu",
+        "--device",
+        "cpu",
         "-v",
     )
     run.result.assert_outcomes(passed=7)
