@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 INNER_DEVICE = os.environ.get("HARNESS_TEST_INNER_DEVICE", "cpu")
 
 
+def inner_gpus() -> int:
+    """How many GPUs the inner sessions' ranks may lease: a test of more ranks runs
+    on CPU ranks (the named fallback of ``--device auto``)."""
+    if INNER_DEVICE == "cpu":
+        return 0
+    from harness._controller.devices import visible_gpus
+
+    return len(visible_gpus())
+
+
 class Run:
     """The outcome of an inner pytest session, split into one report per test."""
 

@@ -230,7 +230,7 @@ CHEAP_BUG = "clip_dtype"  # found in the first scenario, shrunk in seconds
 # The derandomized scenarios each planted bug's search may use: 100, and more for a
 # bug whose trigger needs several draws to meet (Adam, use_orig_params=False, an
 # optimizer state saved before a later step: a few scenarios in a hundred).
-BUDGETS = {"optim_state_aliases_live_step": 300}
+BUDGETS = {"optim_state_aliases_live_step": 700}
 
 
 def _failures(inner: Any, bugs: list[str]) -> dict[str, tuple[sc.Scenario, str]]:
