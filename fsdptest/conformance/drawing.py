@@ -344,20 +344,17 @@ class ProgramMachine(RuleBasedStateMachine):
 
     # -- optimizer state dicts --------------------------------------------------------------------
 
-    @precondition(
-        lambda self: (
-            self._free()
-            and self.TARGET.may_save_optim_state(self.setup)
-            and not (
-                self.history.optim_partial
-                and self.setup.use_orig_params
-                and not self.TARGET.may_save_optim_state_of_some()
-            )
-        )
-    )
+    @precondition(lambda self: self._free() and self._may_save_optim())
     @rule(api=st.sampled_from(list(sc.OptimApi)))
     def save_optim_state(self, api: sc.OptimApi) -> None:
         self._save_optim(api)
+
+    def _may_save_optim(self) -> bool:
+        return self.TARGET.may_save_optim_state(self.setup) and not (
+            self.history.optim_partial
+            and self.setup.use_orig_params
+            and not self.TARGET.may_save_optim_state_of_some()
+        )
 
     def _save_optim(self, api: sc.OptimApi) -> None:
         settings = self.settings
@@ -623,9 +620,24 @@ class ProgramMachine(RuleBasedStateMachine):
         if self.pending:
             ops.append(sc.Backward())
         ops.extend(sc.Exit() for _ in self.contexts)
+        closing_save = self._closing_save()
+        if closing_save is not None:
+            ops.append(sc.SaveOptimState(api=closing_save))
         ops.append(sc.Final())
         assert self.net is not None
         return sc.Scenario(self.TARGET.world_size, self.net, self.setup, tuple(ops), self.seed)
+
+    def _closing_save(self) -> sc.OptimApi | None:
+        """An optimizer state dict saved before the closing observation where the
+        program stepped and a save is allowed: the closing observation steps once
+        more after a save, so every such program observes whether a saved state
+        aliases the live one, not only the few that drew a save before a step."""
+        stepped = any(isinstance(op, (sc.OptimStep, sc.ScalerStep)) for op in self.ops)
+        if not stepped or not self._may_save_optim():
+            return None
+        outer = self.contexts[0][1] if self.contexts else self.settings  # after the exits
+        local = outer.kind is sc.StateDictKind.LOCAL
+        return sc.OptimApi.FULL if local else sc.OptimApi.OPTIM_STATE_DICT
 
     def teardown(self) -> None:
         if self.net is not None:
