@@ -86,17 +86,16 @@ def inner(
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
 
-    def run(source: str, *args: str) -> Run:
+    def run(source: str, *args: str, cpu: bool = False) -> Run:
+        """``cpu``: the inner session's ranks run on CPU + gloo with the GPUs hidden,
+        for tests of what does not depend on the device (see [Note: Searches
+        shrink on CPU ranks])."""
         pytester.makepyfile(test_inner=source)
+        if cpu:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        device = ("--device", "cpu") if cpu else ("--device", INNER_DEVICE, *lease_args)
         result = pytester.runpytest_subprocess(
-            "-p",
-            "harness.plugin",
-            "-p",
-            "no:cacheprovider",
-            "--device",
-            INNER_DEVICE,
-            *lease_args,
-            *args,
+            "-p", "harness.plugin", "-p", "no:cacheprovider", *device, *args
         )
         return Run(result, pids_file)
 

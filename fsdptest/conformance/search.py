@@ -142,6 +142,19 @@ def _ending(text: str) -> str:
     return text
 
 
+SURVEY_SHOWN = 20
+
+
+def _first_difference(report: str) -> str:
+    """The line of a failed scenario's report that names its first difference (``op N
+    (...), what``), else its first line."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("op ") or " skipped" in line:
+            return line[:300]
+    return lines[0][:300] if lines else "(no report)"
+
+
 class ConformanceSearch:
     """Runs drawn scenarios on the pooled ranks (see the module notes)."""
 
@@ -164,6 +177,7 @@ class ConformanceSearch:
         self.tally = tally
         self.stats_file = stats_file
         self.survey = survey
+        self.surveyed_failures: list[str] = []  # a survey's failures, one line and a replay each
 
     def target(self, world_size: int) -> Target:
         device_type = self.calls.device_type(world_size) or "cpu"
@@ -184,10 +198,22 @@ class ConformanceSearch:
             run_state_machine_as_test(machine, settings=chosen)
         failed = self.tally.failed - failed_before
         if failed:  # only in a survey: otherwise the first failure raised
-            raise ScenarioFailed(
-                f"{failed} scenarios at world size {world_size} failed (a survey: see "
-                f"{self.stats_file or 'the ranks reports; pass --conformance-stats PATH'})"
-            )
+            raise ScenarioFailed(self._survey_report(failed, world_size))
+
+    def _survey_report(self, failed: int, world_size: int) -> str:
+        """Each failed scenario of the survey: its first difference and its replay line
+        (the first 20; the full reports go to ``--conformance-stats``)."""
+        where = self.stats_file or "pass --conformance-stats PATH"
+        shown = self.surveyed_failures[-failed:][:SURVEY_SHOWN]
+        more = failed - len(shown)
+        return "\n".join(
+            [
+                f"{failed} scenarios at world size {world_size} failed (a survey; full "
+                f"reports: {where}):",
+                *shown,
+                *([f"... and {more} more"] if more > 0 else []),
+            ]
+        )
 
     def check(self, ranks: type[DistributedTest], scenario: Scenario) -> None:
         """Runs ``ranks().check(...)`` with the scenario on its ranks; raises
@@ -205,7 +231,10 @@ class ConformanceSearch:
         stats = self.tally.add(outcome)
         if self.stats_file is not None:
             self._write_stats(scenario, outcome, stats, time.monotonic() - started)
-        if not outcome.passed and not self.survey:
+        if not outcome.passed and self.survey:
+            first = _first_difference(outcome.report)
+            self.surveyed_failures.append(f"- {first}\n  {self.replay_command(scenario)}")
+        elif not outcome.passed:
             raise ScenarioFailed(self.report(scenario, outcome))
 
     def _write_stats(

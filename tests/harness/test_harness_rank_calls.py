@@ -17,7 +17,7 @@ HEADER = textwrap.dedent(
 
     class Ranks(DistributedTest):
         def total(self, value):
-            t = torch.full((1,), float(value + self.rank))
+            t = torch.full((1,), float(value + self.rank), device=self.device)
             dist.all_reduce(t)
             assert t.item() == 2 * value + 1, t
 
