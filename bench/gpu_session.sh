@@ -13,6 +13,8 @@
 #   bash bench/gpu_session.sh wide             # 4+ GPUs: the 3- and 4-rank suite tests, both
 #                                              # implementations at once (one lease dir)
 #   bash bench/gpu_session.sh whole IMPL [PATHS]  # PATHS (default: the whole suite) -n 8, any GPUs
+#   bash bench/gpu_session.sh conformance [N]  # the conformance survey at world size 2 on NCCL,
+#                                              # N scenarios, every report in $OUT
 #
 # Needs the expecttest wheel in .whl/ (carried: it is not installed there).
 set -uo pipefail
@@ -133,6 +135,14 @@ whole)
     sampled "whole-$impl" timeout -s INT 570 $PYTEST "$@" -n 8 -q -rfE --tb=line \
         --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-whole-$impl" \
         --junitxml="$OUT/whole-$impl.xml"
+    ;;
+conformance)
+    rm -rf /tmp/leases-conformance "$OUT/conformance-stats.jsonl"
+    timeout 500 $PYTEST -p no:randomly "suites/test_conformance.py::test_fsdp_conforms_to_the_reference[2]" \
+        --device cuda --conformance-survey --conformance-scenarios "${1:-200}" -q -rfE --tb=short \
+        --conformance-stats "$OUT/conformance-stats.jsonl" --gpu-lease-dir /tmp/leases-conformance \
+        >"$OUT/conformance.log" 2>&1
+    grep -h "^conformance:\|passed\|failed" "$OUT/conformance.log" | tail -n 30
     ;;
 *)
     echo "unknown step $STEP" >&2

@@ -292,7 +292,7 @@ def test_a_survey_lists_each_failed_scenario_with_its_replay_line(inner: Any) ->
 
 @pytest.mark.skipif(
     not os.environ.get(FULL_PROOF_ENV),
-    reason=f"the thirteen planted bugs take about 13 minutes on two CPU cores: {FULL_PROOF_ENV}=1",
+    reason=f"the thirteen planted bugs take about 9 minutes on two CPU cores: {FULL_PROOF_ENV}=1",
 )
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("bug", sorted(BUGS))
