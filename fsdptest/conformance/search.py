@@ -193,24 +193,23 @@ class ConformanceSearch:
             max_examples=self.budget.scenarios,
             stateful_step_count=self.budget.steps,
         )
-        failed_before = self.tally.failed
+        listed = len(self.surveyed_failures)
         with _shrinking_for(SHRINK_SECONDS):
             run_state_machine_as_test(machine, settings=chosen)
-        failed = self.tally.failed - failed_before
-        if failed:  # only in a survey: otherwise the first failure raised
-            raise ScenarioFailed(self._survey_report(failed, world_size))
+        failures = self.surveyed_failures[listed:]
+        if failures:  # only in a survey: otherwise the first failure raised
+            raise ScenarioFailed(self._survey_report(failures, world_size))
 
-    def _survey_report(self, failed: int, world_size: int) -> str:
+    def _survey_report(self, failures: list[str], world_size: int) -> str:
         """Each failed scenario of the survey: its first difference and its replay line
         (the first 20; the full reports go to ``--conformance-stats``)."""
         where = self.stats_file or "pass --conformance-stats PATH"
-        shown = self.surveyed_failures[-failed:][:SURVEY_SHOWN]
-        more = failed - len(shown)
+        more = len(failures) - SURVEY_SHOWN
         return "\n".join(
             [
-                f"{failed} scenarios at world size {world_size} failed (a survey; full "
+                f"{len(failures)} scenarios at world size {world_size} failed (a survey; full "
                 f"reports: {where}):",
-                *shown,
+                *failures[:SURVEY_SHOWN],
                 *([f"... and {more} more"] if more > 0 else []),
             ]
         )
