@@ -81,12 +81,23 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
     "FLAT_PARAM_PADDING_VALUE": _scenario(
         (*TRAIN, _settings(sc.StateDictKind.LOCAL), sc.SaveStateDict()), ORIG
     ),
+    "SCALER_FOUND_INF_AGREEMENT": _scenario(
+        (sc.ZeroGrad(), sc.Forward(), sc.ScaledBackward(), sc.ScalerStep()),
+        sc.Setup(offload_params=True, wrap=sc.Wrap.BLOCKS, ignored_blocks=(0,)),
+        sc.Net(vocab=0, width=2, blocks=(B((L(K.LINEAR, 2),)), B((L(K.LINEAR, 2),)))),
+    ),
     "SHARDED_TENSOR_LOCAL_SHARD_RANK": sc.Scenario(
         4,
         NET,
         sc.Setup(sharding=Sharding.HYBRID_SHARD, replicas=2),
         (_settings(sc.StateDictKind.SHARDED), sc.SaveStateDict(), sc.Final()),
     ),
+}
+
+# Entries whose witness rewrites torch's trace on accelerator ranks only, and the
+# test asserting torch's behaviour on both sides of that boundary.
+ON_ACCELERATORS = {
+    "SCALER_FOUND_INF_AGREEMENT": "TestTorchLimitationsAnywhere::test_scaler_agreement_per_device",
 }
 
 # A scenario where each PENDING entry hides a divergence of ours.
@@ -108,6 +119,8 @@ def _assert_normalised_applies(name: str) -> None:
     from fsdptest.conformance.execute import Run
     from fsdptest.conformance.implementation import FsdpApi
 
+    if name in ON_ACCELERATORS and current_device().type == "cpu":
+        pytest.skip(f"{name} applies on accelerator ranks; {ON_ACCELERATORS[name]} asserts both")
     trace = Run(NORMALISED_WITNESSES[name], FsdpApi("torch"), current_device()).trace()
     entry = allowed.NORMALISED[name]
     counts: dict[str, int] = {}
@@ -678,6 +691,37 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         else:
             expected = [(n, replicate) for n, _ in buffers + params] + buffers + params
         self.assertEqual(broadcasts, expected)
+
+    def test_scaler_agreement_per_device(self) -> None:
+        """SCALER_FOUND_INF_AGREEMENT: torch's ShardedGradScaler.unscale_ all-reduces one
+        flag per gradient device: two on accelerator ranks with an offloaded unit
+        beside an ignored module (whose gradients stay on the device), one on CPU
+        ranks (torch cannot offload there: every gradient is on the CPU). This
+        project's scaler all-reduces once in both."""
+        import torch.distributed.fsdp as torch_fsdp
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        import fsdp as ours
+        from fsdp.sharded_grad_scaler import ShardedGradScaler as OurScaler
+        from fsdptest.conformance.observe import Collectives
+
+        device = current_device()
+        expected = {torch_fsdp: 1 if device.type == "cpu" else 2, ours: 1}
+        for impl, count in expected.items():
+            module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).to(device)
+            model = impl.FullyShardedDataParallel(
+                module,
+                device_id=device,
+                ignored_modules=[module[0]],
+                cpu_offload=impl.CPUOffload(offload_params=device.type != "cpu"),
+            )
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = (ShardedGradScaler if impl is torch_fsdp else OurScaler)(device=device.type)
+            scaler.scale(model(torch.ones(2, 2, device=device)).sum()).backward()
+            with Collectives() as collectives:
+                scaler.unscale_(optim)
+            calls = [(c.kind, c.dtype, c.input_numel) for c in collectives.take()]
+            self.assertEqual(calls, [("ALL_REDUCE", "torch.float32", 1)] * count, impl.__name__)
 
     def test_offloaded_orig_params_before_backward(self) -> None:
         """OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS: after a forward, the parameters of

@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdptest.conformance import scenario as sc
 from fsdptest.conformance.implementation import FsdpApi, as_a_user_writes
-from fsdptest.conformance.nets import batch, build, materialize
+from fsdptest.conformance.nets import APPLY_FNS, batch, build, materialize
 from fsdptest.conformance.observe import (
     EXACT,
     Collectives,
@@ -112,13 +112,14 @@ class Run:
         self._attributes: list[tuple[str, nn.Module, str]] = []
         self._hook_state: Any = None  # what register_comm_hook was given
         self._scaler: Any = None  # the ShardedGradScaler of scaled steps
+        self._collectives = Collectives()  # recording while the trace runs
         self._settings = sc.Settings(configs=False)
 
     # -- the run -------------------------------------------------------------------------
 
     def trace(self) -> Trace:
         ended = "completed"
-        with Collectives() as collectives, self._low_precision_hooks_observed():
+        with self._collectives as collectives, self._low_precision_hooks_observed():
             try:
                 if not self._step(-1, "construct", self._construct, collectives):
                     ended = "stopped at construction"
@@ -484,15 +485,25 @@ class Run:
         assert scaler is not None and optim is not None
         if op.clip:
             scaler.unscale_(optim)
+            self._note_found_inf_agreement()
             self._note("total norm", self.model.clip_grad_norm_(0.05))
-        scaler.step(optim)
+            scaler.step(optim)
+        else:
+            scaler.step(optim)  # unscales first
+            self._note_found_inf_agreement()
         scaler.update()
         self._note("scale", scaler.get_scale())
         self._note("scaler state", scaler.state_dict())
         self._note("optimizer state", optim.state_dict())
 
+    def _note_found_inf_agreement(self) -> None:
+        """The collectives of ``unscale_`` (the ranks agreeing whether any found
+        inf/nan), apart from the op's others (a clip's): see the allowed difference
+        SCALER_FOUND_INF_AGREEMENT."""
+        self._current["found-inf agreement"] = self._collectives.take()
+
     def _op_Apply(self, op: sc.Apply) -> None:
-        returned = self.model.apply(_APPLY_FNS[op.fn])
+        returned = self.model.apply(APPLY_FNS[op.fn])
         self._note("returned the model", returned is self.model)
 
     def _op_RegisterCommHook(self, op: sc.RegisterCommHook) -> None:
@@ -677,22 +688,3 @@ def _drop_parameter_hooks(model: nn.Module) -> None:
 def _own_group(layout: list[list[int]], rank: int) -> Any:
     groups = {tuple(ranks): dist.new_group(ranks) for ranks in layout}
     return next(group for ranks, group in groups.items() if rank in ranks)
-
-
-@torch.no_grad()
-def _scale_linears(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        module.weight.mul_(0.5)
-
-
-@torch.no_grad()
-def _fill_buffers(module: nn.Module) -> None:
-    for buffer in module.buffers(recurse=False):
-        if buffer.is_floating_point():
-            buffer.add_(1.0)
-
-
-_APPLY_FNS: dict[sc.ApplyFn, Callable[[nn.Module], None]] = {
-    sc.ApplyFn.SCALE_LINEARS: _scale_linears,
-    sc.ApplyFn.FILL_BUFFERS: _fill_buffers,
-}

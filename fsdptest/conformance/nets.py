@@ -13,6 +13,7 @@ holds here too.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from fsdptest.conformance.scenario import Block, Layer, LayerKind, Net
+from fsdptest.conformance.scenario import ApplyFn, Block, Layer, LayerKind, Net
 from fsdptest.properties.modules import (
     Activated,
     PropertyModel,
@@ -174,3 +175,23 @@ class Batch:
 
 def batch(spec: Net, seed: int, rank: int, op_index: int, device: torch.device) -> Batch:
     return Batch(spec, 1_000_003 * seed + 10_007 * op_index + rank, device)
+
+
+@torch.no_grad()
+def _scale_linears(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.weight.mul_(0.5)
+
+
+@torch.no_grad()
+def _fill_buffers(module: nn.Module) -> None:
+    for buffer in module.buffers(recurse=False):
+        if buffer.is_floating_point():
+            buffer.add_(1.0)
+
+
+APPLY_FNS: dict[ApplyFn, Callable[[nn.Module], None]] = {
+    # the functions a program's ``apply`` op hands ``module.apply``
+    ApplyFn.SCALE_LINEARS: _scale_linears,
+    ApplyFn.FILL_BUFFERS: _fill_buffers,
+}

@@ -184,6 +184,16 @@ def _optim_collectives(op: str, key: str, value: Any) -> tuple[str, Any]:
     return key, (value if len(kept) == len(calls) else tuple(kept))
 
 
+def _one_agreement(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """A scaler's found-inf agreement of several one-element float32 all-reduces
+    over one group as the first of them."""
+    if key != "found-inf agreement" or len(value) < 2:
+        return key, value
+    if len(set(value)) == 1 and value[0].kind == "ALL_REDUCE" and value[0].input_numel == 1:
+        return key, value[:1]
+    return key, value
+
+
 def _flat_param_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
     """A saved ``_flat_param`` (LOCAL_STATE_DICT) without its requires_grad."""
     if key not in ("state dict", "full state dict"):
@@ -329,6 +339,19 @@ NORMALISED: dict[str, Normalised] = {
             "placement is compared as the global metadata's placement of its offsets (the "
             "global metadata, offsets and values are compared)",
             _local_shard_placements,
+            impls=(OURS,),
+        ),
+        Normalised(
+            "SCALER_FOUND_INF_AGREEMENT",
+            "ShardedGradScaler.unscale_ (also inside step()): torch's all-reduces one found-inf "
+            "flag per device the gradients are on (two where parameters are offloaded to the "
+            "CPU and an ignored module's stay on the accelerator), so ranks whose gradients "
+            "are on different devices (a rank with no shard of the offloaded parameters) issue "
+            "different numbers of collectives; this project's sums the flags and all-reduces "
+            "once on every rank ([Note: Agreeing on inf/nan] in fsdp/sharded_grad_scaler.py). "
+            "Several identical one-element all-reduces of the agreement are compared as one "
+            "(their kind, dtype, size and group are compared)",
+            _one_agreement,
             impls=(OURS,),
         ),
         Normalised(

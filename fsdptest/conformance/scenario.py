@@ -467,7 +467,8 @@ class ScaledBackward(Op):
 @dataclasses.dataclass(frozen=True)
 class ScalerStep(Op):
     """``scaler.unscale_(optim)`` then ``model.clip_grad_norm_(0.05)`` when
-    ``clip``; ``scaler.step(optim)``; ``scaler.update()``."""
+    ``clip``; ``scaler.step(optim)``; ``scaler.update()``. The collectives of the
+    unscaling are observed apart from the op's others."""
 
     NAME: ClassVar[str] = "scaler step"
     clip: bool = False
