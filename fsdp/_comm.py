@@ -110,6 +110,17 @@ def group_ranks(group: Any) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+def group_device_type(group: Any) -> str | None:
+    """The device type collectives of ``group`` run on, as torch reads it (its
+    one backend's; ``cpu`` among several; ``None`` for a group without one)."""
+    devices = list(getattr(group, "_device_types", None) or ())
+    if not devices:
+        return None
+    if len(devices) > 1 and torch.device("cpu") in devices:
+        return "cpu"
+    return devices[0].type
+
+
 def world() -> Any:
     return dist.distributed_c10d._get_default_group()
 

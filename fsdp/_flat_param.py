@@ -638,9 +638,8 @@ class FlatParamHandle:
     # -- writeback of user changes (use_orig_params) ----------------------------------------------
 
     def writeback_orig_params(self, skip_check: bool, grads: bool = True) -> None:
-        """Copies user changes of original parameters and their gradients into the
-        flat parameter (see [Note: Original parameters (use_orig_params=True)]).
-        An unsharded copy kept since forward is stale afterwards and is freed."""
+        """Copies user changes of original parameters and their gradients into the flat
+        parameter (see [Note: Original parameters (use_orig_params=True)])."""
         if not self._use_orig_params:
             return
         storage = self.storage
@@ -654,11 +653,12 @@ class FlatParamHandle:
         if storage.is_unsharded() or not (written.params or written.grads):
             return
         if written.params:
-            # The kept unsharded copy is stale. Only parameters: a gradient
-            # edit, which may happen on some ranks only, must not decide
-            # whether the next unshard all-gathers (the ranks would diverge).
+            # The kept unsharded copy is stale (only parameters: a gradient edit may
+            # be on some ranks only, and must not decide whether the next unshard
+            # all-gathers). The all-gather waits for the copy (fsdp._streams).
             storage.free_unsharded()
             self.views.show_resharded(self.flat_param)
+            self._streams.unshard_waits_for_compute()  # type: ignore[union-attr]
 
     # -- gradients ---------------------------------------------------------------------------------
 

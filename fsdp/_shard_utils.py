@@ -7,10 +7,12 @@ Sharded model and optimizer state dicts split a full tensor on dim 0 as
 holds chunk ``r`` (a copy), and a rank beyond the number of chunks holds nothing.
 Nothing is communicated: every rank builds the value alone.
 
-- ``ShardedTensor``: its metadata lists each non-empty chunk with its offsets,
-  sizes and placement (``rank:<global rank>/cpu``, or ``rank:<global
-  rank>/cuda:<index>``, the rank's own device for itself and ``global rank %
-  device count`` for the others); a rank without a chunk has no local shard.
+- ``ShardedTensor``: its global metadata lists each non-empty chunk with its
+  offsets, sizes and placement on the device type the group's collectives run on
+  (``rank:<global rank>/cpu`` for gloo, ``rank:<global rank>/cuda:<global rank %
+  device count>`` for NCCL, also where the values are on the CPU: offloaded
+  parameters, or states); the local shard is placed on its tensor's device. A
+  rank without a chunk has no local shard.
 - ``DTensor`` (torch's ``_use_dtensor``, set whenever the unit has a device mesh):
   placements ``[Replicate()] * (ndim - 1) + [Shard(0)]`` on the unit's mesh, so a
   1-D mesh gives ``(Shard(0),)`` and a hybrid unit's 2-D mesh ``(Replicate(),
@@ -61,14 +63,17 @@ from fsdp import _comm
 Piece = tuple[list[int], list[int]]  # offsets, sizes
 
 
-def placement(global_rank: int, device: torch.device, own: bool) -> str:
-    """A ``ShardedTensor`` placement (see [Note: Rows chunked as torch.chunk])."""
-    if device.type == "cpu":
-        return f"rank:{global_rank}/cpu"
-    if own:
+def placement(global_rank: int, device: torch.device | str) -> str:
+    """A ``ShardedTensor`` placement in global metadata: on ``device`` itself, or on a
+    device type's device ``global rank % device count`` (see [Note: Rows chunked as
+    torch.chunk])."""
+    if isinstance(device, torch.device) and device.type != "cpu":
         return f"rank:{global_rank}/{device}"
-    count = torch.get_device_module(device.type).device_count()
-    return f"rank:{global_rank}/{device.type}:{global_rank % max(count, 1)}"
+    device_type = device if isinstance(device, str) else device.type
+    if device_type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    count = torch.get_device_module(device_type).device_count()
+    return f"rank:{global_rank}/{device_type}:{global_rank % max(count, 1)}"
 
 
 def sharded_tensor(
@@ -78,14 +83,24 @@ def sharded_tensor(
     size: torch.Size,
     like: Tensor,
     group: Any,
+    by_group: bool = False,
 ) -> ShardedTensor:
     """A ``ShardedTensor`` of global ``size`` whose rank ``i`` (of ``group``) holds
     ``pieces[i]`` (an empty piece: nothing), built without communication;
-    ``local`` is this rank's piece."""
+    ``local`` is this rank's piece. Global metadata places every piece on the
+    device type of ``group``'s collectives (``by_group``: torch's chunked values)
+    or as ``like`` is placed (a LOCAL_STATE_DICT's flat shard: torch gathers each
+    rank's own placement)."""
     global_ranks = _comm.group_ranks(group)
     device = like.device
+    group_type = _comm.group_device_type(group) if by_group else None
+
+    def placed(i: int) -> str:
+        on = device if i == rank else device.type
+        return placement(global_ranks[i], group_type or on)
+
     metadata = [
-        ShardMetadata(offsets, sizes, placement(global_ranks[i], device, i == rank))
+        ShardMetadata(offsets, sizes, placed(i))
         for i, (offsets, sizes) in enumerate(pieces)
         if math.prod(sizes) > 0
     ]
@@ -96,7 +111,7 @@ def sharded_tensor(
         memory_format=torch.contiguous_format,
         pin_memory=_pinned(like if local is None or local.numel() == 0 else local),
     )
-    own = ShardMetadata(*pieces[rank], placement(global_ranks[rank], device, True))
+    own = ShardMetadata(*pieces[rank], f"rank:{global_ranks[rank]}/{device}")
     shards = [] if local is None or local.numel() == 0 else [Shard(local, own)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards,
@@ -120,7 +135,7 @@ def chunk_sharded_tensor(tensor: Tensor, rank: int, world_size: int, group: Any)
     empty: Piece = ([0] * tensor.dim(), [0] * tensor.dim())
     pieces += [empty] * (world_size - len(chunks))
     local = chunks[rank].detach().clone() if rank < len(chunks) else None
-    return sharded_tensor(local, rank, pieces, tensor.size(), tensor, group)
+    return sharded_tensor(local, rank, pieces, tensor.size(), tensor, group, by_group=True)
 
 
 def row_placements(mesh: DeviceMesh) -> list[Any]:

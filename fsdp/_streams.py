@@ -10,7 +10,11 @@ stream, so communication overlaps the computation on the current stream.
   not wait again before each all-gather, so a prefetched all-gather runs while
   the previous layer computes. Unshards outside forward and backward
   (summon_full_params, state dicts) wait each time: the shards may have just
-  been updated by an optimizer step or a writeback.
+  been updated by an optimizer step. A writeback of the user's changes to
+  original parameters (``use_orig_params``: a copy into the shard on the
+  current stream, issued by the unshard itself, after those waits) makes the
+  unshard stream wait again: without it the all-gather may read the shard
+  before the copy (the values from before the change).
 - Computation waits for an unshard with an event recorded after it.
 - Unsharded storage is allocated on the unshard stream and used on the current
   stream: before it is freed it is recorded on the current stream, so the

@@ -723,6 +723,36 @@ class TestTorchLimitationsAnywhere(FSDPTest):
             calls = [(c.kind, c.dtype, c.input_numel) for c in collectives.take()]
             self.assertEqual(calls, [("ALL_REDUCE", "torch.float32", 1)] * count, impl.__name__)
 
+    def test_offloaded_edits_before_the_first_reshard(self) -> None:
+        """OFFLOADED_EDITS_BEFORE_FIRST_RESHARD: parameter offload, the lazy
+        initialisation (entering no_sync), an in-place edit of the flat parameter:
+        on accelerator ranks the edit is lost at the first reshard (after a forward
+        and backward, no optimizer step, the parameter is the unedited one); on CPU
+        ranks torch's lazy initialisation cannot pin the offloaded shard."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        device = current_device()
+        torch.manual_seed(0)
+        model = torch_fsdp.FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).to(device),
+            device_id=device,
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=True),
+        )
+        if device.type == "cpu":
+            with self.assertRaisesRegex(RuntimeError, TORCH_CPU_OFFLOAD_ERROR):
+                with model.no_sync():  # type: ignore[operator]
+                    pass
+            return
+        with model.no_sync():  # type: ignore[operator]
+            pass
+        (flat,) = list(model.parameters())
+        before = flat.detach().clone()
+        with torch.no_grad():
+            flat.mul_(0.5)
+        model(torch.ones(2, 2, device=device)).sum().backward()
+        (flat,) = list(model.parameters())
+        self.assertEqual(flat.detach(), before)
+
     def test_offloaded_orig_params_before_backward(self) -> None:
         """OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS: after a forward, the parameters of
         the rank's shard have zero gradients on accelerator ranks; on CPU ranks torch

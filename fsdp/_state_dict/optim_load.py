@@ -4,8 +4,8 @@ optimizer, from every rank or from rank 0 alone.
 [Note: Flattening for loading]
 The way back, per model parameter in model order. ``use_orig_params=False``: a
 flat parameter's positive-dimension state is its originals' states
-concatenated in flat order (zeros for an original without state), then this
-rank's shard of it; 0-dim and non-tensor states must be present and equal for
+concatenated in flat order (zeros for an original without state), on the CPU
+as torch flattens them, then this rank's shard of it; 0-dim and non-tensor states must be present and equal for
 every original (Adam's "step" cannot be made up for one that has none).
 ``use_orig_params=True``: each original parameter gets the part of its
 flattened state that this rank's shard holds, or nothing when it holds no

@@ -361,9 +361,10 @@ class UnitLayout:
                 f"unflattened parameter names {list(self.fqns)}"
             )
         if kinds == {"tensor"}:
-            # on the flat parameter's device (the CPU when offloaded), as its
-            # optimizer state lives there
-            return self.shard(self._flat_tensor(name, values)).to(self.handle.flat_param.device)
+            # flattened on the CPU, as torch does: Optimizer.load_state_dict moves
+            # each state to its parameter's device
+            on_cpu = [None if v is None else v.detach().to("cpu") for v in values]
+            return self.shard(self._flat_tensor(name, on_cpu))
         if len(given) != len(values) or not all(_same(v, given[0]) for v in given):
             shown = [v.item() if torch.is_tensor(v) else v for v in values]
             dtypes = [v.dtype if torch.is_tensor(v) else None for v in values]
@@ -425,9 +426,15 @@ def _tensor_names(infos: list[dict[str, _StateInfo]]) -> dict[str, torch.dtype]:
 
 def gathered_state(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """``state`` with sharded values replaced by full tensors (collectives, in
-    state-name order, the same on every rank)."""
+    state-name order, the same on every rank), gathered on ``device``: a DTensor's
+    stays there, a ShardedTensor's goes where its local shard is (the CPU for a
+    rank without one), as torch's ``_gather_state_dict`` places them."""
     out = dict(state)
     for name, value in _sorted_items(state):
-        if isinstance(value, (ShardedTensor, DTensor)):
+        if isinstance(value, DTensor):
             out[name] = full_tensor(value, device)
+        elif isinstance(value, ShardedTensor):
+            shards = value.local_shards()
+            home = shards[0].tensor.device if shards else torch.device("cpu")
+            out[name] = full_tensor(value, device).to(home)
     return out

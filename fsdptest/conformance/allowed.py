@@ -424,6 +424,20 @@ UNASKED = _entries(
         "test_offloaded_orig_params_before_backward",
     ),
     Unasked(
+        "OFFLOADED_EDITS_BEFORE_FIRST_RESHARD",
+        "CPUOffload(offload_params=True) on accelerator ranks: torch's lazy initialisation "
+        "keeps a pinned copy of each flat parameter's shard (_local_shard) while the flat "
+        "parameter still holds the unpinned one; in-place edits of the parameters from "
+        "then until the unit first reshards (p.mul_(...) after a no_sync(), a state-dict "
+        "or optimizer-state save, fsdp_modules ...) go to the unpinned tensor, which the "
+        "next forward gathers, and are lost when the reshard points the flat parameter at "
+        "the pinned copy; this project's FSDP keeps them. With parameter offload, in-place "
+        "edits are drawn only after a backward (which reshards every unit) where either "
+        "side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitationsAnywhere::"
+        "test_offloaded_edits_before_the_first_reshard",
+    ),
+    Unasked(
         "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED",
         "use_orig_params=True, a unit whose shard group is one rank or NO_SHARD, on "
         "accelerator ranks: torch's FSDP.optim_state_dict (and full_optim_state_dict) "

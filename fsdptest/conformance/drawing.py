@@ -490,7 +490,13 @@ class ProgramMachine(RuleBasedStateMachine):
             self._add(sc.EditParams(grads=True))
         self._exit()
 
-    @precondition(lambda self: self.net is not None and not self.pending)
+    @precondition(
+        lambda self: (
+            self.net is not None
+            and not self.pending
+            and self.TARGET.may_edit_parameters(self.setup, self.history.resharded)
+        )
+    )
     @rule()
     def edit_parameters(self) -> None:
         self._add(sc.EditParams())

@@ -41,6 +41,8 @@ class GradHistory:
     # original parameters' data replaced, and no forward or summon since
     # (LOCAL_SAVE_SKIPS_WRITEBACK)
     replaced: bool = False
+    # a backward ran: every unit resharded (OFFLOADED_EDITS_BEFORE_FIRST_RESHARD)
+    resharded: bool = False
 
     def zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:
@@ -50,7 +52,7 @@ class GradHistory:
     def backward(self, windowed: bool, sharded: bool) -> None:
         """A backward, under ``no_sync`` if ``windowed``; a ``sharded`` unit sets
         aside the gradient a backward under no_sync starts from."""
-        self.has_grads = True
+        self.has_grads = self.resharded = True
         self.set_aside = windowed and (self.set_aside or (self.synced_grads and sharded))
         self.synced_grads = self.synced_grads or not windowed
         self.some_grads_set = self.some_grads_set and windowed

@@ -41,6 +41,7 @@ _ACCELERATOR_DEFECTS = (
     "LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR",
     "OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS",
     "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED",
+    "OFFLOADED_EDITS_BEFORE_FIRST_RESHARD",
 )
 
 
@@ -186,6 +187,12 @@ class Target:
         """Whether a LOCAL_STATE_DICT may be loaded while a forward's unsharded
         parameters may still be kept (no synced backward since)."""
         return self.asks("LOCAL_LOAD_KEEPS_STALE_UNSHARDED_PARAMETER")
+
+    def may_edit_parameters(self, setup: Setup, resharded: bool) -> bool:
+        """Whether parameters may be edited in place now (``resharded``: a backward
+        ran); see ``OFFLOADED_EDITS_BEFORE_FIRST_RESHARD``."""
+        offloaded = setup.offload_params and not resharded
+        return not offloaded or self.asks("OFFLOADED_EDITS_BEFORE_FIRST_RESHARD")
 
     def offload_keeps_newest_gradient(self, setup: Setup) -> bool:
         """Whether a backward must start from no gradient (see
