@@ -753,6 +753,27 @@ class TestTorchLimitationsAnywhere(FSDPTest):
         (flat,) = list(model.parameters())
         self.assertEqual(flat.detach(), before)
 
+    def test_cast_buffers_saved_on_the_device(self) -> None:
+        """CAST_BUFFERS_SAVED_ON_THE_DEVICE: a BatchNorm's buffers under
+        MixedPrecision(buffer_dtype=float16), a SHARDED_STATE_DICT with
+        offload_to_cpu=True: saved in float32 on the ranks' device (the CPU on CPU
+        ranks, where offloading and the device agree)."""
+        import torch.distributed.fsdp as torch_fsdp
+
+        fsdp = torch_fsdp.FullyShardedDataParallel
+        device = current_device()
+        model = fsdp(
+            nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(device),
+            device_id=device,
+            mixed_precision=torch_fsdp.MixedPrecision(buffer_dtype=torch.float16),
+        )
+        config = torch_fsdp.ShardedStateDictConfig(offload_to_cpu=True)
+        with fsdp.state_dict_type(model, torch_fsdp.StateDictType.SHARDED_STATE_DICT, config):
+            saved = model.state_dict()
+        mean = saved["1.running_mean"]
+        self.assertEqual((mean.dtype, mean.device.type), (torch.float32, device.type))
+        self.assertEqual(saved["0.weight"].local_shards()[0].tensor.device.type, "cpu")
+
     def test_offloaded_orig_params_before_backward(self) -> None:
         """OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS: after a forward, the parameters of
         the rank's shard have zero gradients on accelerator ranks; on CPU ranks torch

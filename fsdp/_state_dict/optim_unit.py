@@ -206,8 +206,8 @@ class UnitLayout:
             return extension.chunk(self.as_param_sees(value, index), offload)
         if getattr(config, "_use_dtensor", False):
             return chunk_dtensor(value, unit_mesh(self.state), offload)
-        local = value.to("cpu") if offload else value
-        return chunk_sharded_tensor(local, self.rank, self.world_size, self.group)
+        sharded = chunk_sharded_tensor(value, self.rank, self.world_size, self.group)
+        return sharded.cpu() if offload else sharded  # placed on the CPU, as torch's
 
     # -- where the original parameters lie -------------------------------------------------
 

@@ -438,6 +438,18 @@ UNASKED = _entries(
         "test_offloaded_edits_before_the_first_reshard",
     ),
     Unasked(
+        "CAST_BUFFERS_SAVED_ON_THE_DEVICE",
+        "MixedPrecision(buffer_dtype=...) and a FULL_STATE_DICT or SHARDED_STATE_DICT config "
+        "with offload_to_cpu=True on accelerator ranks: torch's save hook moves the unit's "
+        "buffers to the CPU, then casts them back to their original dtype with "
+        "_cast_buffers_to_dtype_and_device(..., compute_device), which moves them back to the "
+        "accelerator, so the state dict holds them there; this project's FSDP saves them on "
+        "the CPU, as asked. Such setups save model state dicts without offload_to_cpu where "
+        "either side is torch's",
+        "suites/test_conformance_allowed.py::TestTorchLimitationsAnywhere::"
+        "test_cast_buffers_saved_on_the_device",
+    ),
+    Unasked(
         "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED",
         "use_orig_params=True, a unit whose shard group is one rank or NO_SHARD, on "
         "accelerator ranks: torch's FSDP.optim_state_dict (and full_optim_state_dict) "

@@ -42,6 +42,7 @@ _ACCELERATOR_DEFECTS = (
     "OFFLOADED_ORIG_PARAMS_SHOW_ZERO_GRADIENTS",
     "UNSHARDED_ORIG_PARAM_OPTIM_STATE_NOT_OFFLOADED",
     "OFFLOADED_EDITS_BEFORE_FIRST_RESHARD",
+    "CAST_BUFFERS_SAVED_ON_THE_DEVICE",
 )
 
 
@@ -98,6 +99,11 @@ class Target:
             settings = dataclasses.replace(settings, offload_to_cpu=False)
         local_offload = settings.kind is StateDictKind.LOCAL and settings.offload_to_cpu
         if local_offload and not self.asks("LOCAL_STATE_DICT_OFFLOAD_ON_ACCELERATOR"):
+            settings = dataclasses.replace(settings, offload_to_cpu=False)
+        precision = setup.mixed_precision
+        buffers_cast = precision is not None and precision.buffer_dtype is not None
+        offload = settings.offload_to_cpu and settings.kind is not StateDictKind.LOCAL
+        if buffers_cast and offload and not self.asks("CAST_BUFFERS_SAVED_ON_THE_DEVICE"):
             settings = dataclasses.replace(settings, offload_to_cpu=False)
         if settings.dtensor and not setup.mesh and not self.asks("USE_DTENSOR_WITHOUT_DEVICE_MESH"):
             settings = dataclasses.replace(settings, dtensor=False)
