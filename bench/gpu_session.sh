@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh whole IMPL [PATHS]  # PATHS (default: the whole suite) -n 8, any GPUs
 #   bash bench/gpu_session.sh conformance [N]  # the conformance survey at world size 2 on NCCL,
 #                                              # N scenarios, every report in $OUT
+#   bash bench/gpu_session.sh replays FILE     # each scenario of FILE ("NAME REPLAY_ID" a line)
+#                                              # replayed on the GPUs, a log each in $OUT
 #
 # Needs the expecttest wheel in .whl/ (carried: it is not installed there).
 set -uo pipefail
@@ -143,6 +145,15 @@ conformance)
         --conformance-stats "$OUT/conformance-stats.jsonl" --gpu-lease-dir /tmp/leases-conformance \
         >"$OUT/conformance.log" 2>&1
     grep -h "^conformance:\|passed\|failed" "$OUT/conformance.log" | tail -n 30
+    ;;
+replays)
+    n=0
+    while read -r name id; do
+        n=$((n + 1))
+        timeout 120 $PYTEST -p no:randomly -q "suites/test_conformance.py::test_replay_scenario" \
+            --device cuda --replay-example "$id" >"$OUT/replay-$n.log" 2>&1
+        echo "$n $name: $(tail -n 1 "$OUT/replay-$n.log")"
+    done <"${1:?usage: bench/gpu_session.sh replays FILE}"
     ;;
 *)
     echo "unknown step $STEP" >&2

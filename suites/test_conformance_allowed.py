@@ -568,24 +568,30 @@ class TestTorchLimitations(FSDPTest):
             torch_fsdp.FullyShardedDataParallel.optim_state_dict(model, optim)
 
     def test_user_gradients_with_kept_low_precision_gradients(self) -> None:
-        """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, fp16 parameters
-        and gradients kept in fp16: after a backward, a user's full-precision
-        gradients make the next summon_full_params raise (a grad_dtype error)."""
+        """USER_GRADIENTS_WITH_KEPT_LOW_PRECISION: use_orig_params, gradients kept in a
+        low precision (fp16 parameters; NO_SHARD with a bf16 reduce_dtype alone): after a
+        backward, a user's full-precision gradients make the next
+        summon_full_params raise (a grad_dtype error)."""
         import torch.distributed.fsdp as torch_fsdp
 
-        model = self._torch_fsdp(
-            nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
-            use_orig_params=True,
-            mixed_precision=torch_fsdp.MixedPrecision(
-                param_dtype=torch.float16, keep_low_precision_grads=True
-            ),
-        )
-        model(torch.ones(2, 3)).sum().backward()
-        for param in model.parameters():
-            param.grad = torch.full_like(param, 0.25)
-        with self.assertRaisesRegex(RuntimeError, "grad_dtype"):
-            with torch_fsdp.FullyShardedDataParallel.summon_full_params(model):
-                pass
+        strategy = torch_fsdp.ShardingStrategy
+        cases = {
+            strategy.FULL_SHARD: {"param_dtype": torch.float16},
+            strategy.NO_SHARD: {"reduce_dtype": torch.bfloat16},
+        }
+        for sharding_strategy, low in cases.items():
+            model = self._torch_fsdp(
+                nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+                use_orig_params=True,
+                sharding_strategy=sharding_strategy,
+                mixed_precision=torch_fsdp.MixedPrecision(**low, keep_low_precision_grads=True),
+            )
+            model(torch.ones(2, 3)).sum().backward()
+            for param in model.parameters():
+                param.grad = torch.full_like(param, 0.25)
+            with self.assertRaisesRegex(RuntimeError, "grad_dtype", msg=str(low)):
+                with torch_fsdp.FullyShardedDataParallel.summon_full_params(model):
+                    pass
 
 
 def _last_backward(model: nn.Module, window: bool) -> list[torch.Tensor | None]:

@@ -832,6 +832,32 @@ class TestWriteback(FSDPTest):
             return
         self.assertEqual(saved.reshape(-1), halved, rtol=0, atol=0)
 
+    def test_replaced_data_reaches_the_next_all_gather(self) -> None:
+        """``p.data = ...`` on the original parameters, then at once a summon, a
+        full state dict or a forward, several times in a row: each sees the new
+        data. On CUDA the writeback's copy into the shard runs on the current
+        stream and the all-gather on the unshard stream, which must wait for it
+        ([Note: Streams and the memory they touch]; found by the conformance
+        search on NCCL)."""
+        self.run_subtests({"sharding_strategy": list(ALL_STRATEGIES)}, self._check_replace_gather)
+
+    def _check_replace_gather(self, sharding_strategy: ShardingStrategy) -> None:
+        module = _blocks()
+        model = _wrap(_blocks(), use_orig_params=True, sharding_strategy=sharding_strategy)
+        expected = [p.detach().clone() for p in module.parameters()]
+        batch = _input(self.rank)
+        for round_ in range(4):
+            expected = [e * 0.5 for e in expected]
+            for param in model.parameters():
+                param.data = param.detach().clone().mul_(0.5)
+            if round_ == 2:  # the units' own all-gathers (the root waits at its pre-forward)
+                model(batch).sum().backward()
+            elif round_ == 3:
+                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                    saved = list(model.state_dict().values())
+                self.assertEqual([t.reshape(-1) for t in saved], [e.reshape(-1) for e in expected])
+            self.assertEqual(_full_params(model), expected, msg=f"round {round_}")
+
     def test_user_gradient_of_a_frozen_unit_stays(self) -> None:
         """A gradient the user sets on a frozen unit's parameters stays through a
         forward and backward, as autograd leaves a parameter that needs none. With

@@ -353,8 +353,8 @@ UNASKED = _entries(
     ),
     Unasked(
         "USER_GRADIENTS_WITH_KEPT_LOW_PRECISION",
-        "MixedPrecision(param_dtype=..., keep_low_precision_grads=True): gradients a user "
-        "sets in full precision (p.grad = ...) make torch's FSDP raise at its next gradient "
+        "MixedPrecision(keep_low_precision_grads=True) with a param_dtype, or NO_SHARD with a "
+        "reduce_dtype alone (the gradients kept in it): gradients a user sets in full precision (p.grad = ...) make torch's FSDP raise at its next gradient "
         "writeback or showing ('attempting to assign a gradient with dtype ... to a tensor "
         "with grad_dtype Float'); this project's FSDP keeps them. Such setups do not set "
         "gradients where either side is torch's",

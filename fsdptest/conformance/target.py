@@ -211,7 +211,10 @@ class Target:
         kept_low = (
             precision is not None
             and precision.keep_low_precision_grads
-            and precision.param_dtype is not None
+            and (
+                precision.param_dtype is not None
+                or (precision.reduce_dtype is not None and setup.sharding is Sharding.NO_SHARD)
+            )
         )
         return not kept_low or self.asks("USER_GRADIENTS_WITH_KEPT_LOW_PRECISION")
 
