@@ -81,6 +81,17 @@ NORMALISED_WITNESSES: dict[str, sc.Scenario] = {
     "FLAT_PARAM_PADDING_VALUE": _scenario(
         (*TRAIN, _settings(sc.StateDictKind.LOCAL), sc.SaveStateDict()), ORIG
     ),
+    # NO_SHARD, use_orig_params, fp16 parameters and reductions, meta init, a tied
+    # 1-wide net with batch norms: the first scaled backward (scale 2**16) overflows.
+    "OVERFLOWED_GRADIENT_VALUES": sc.Scenario.from_replay_id(
+        "eNqtUk1PwzAM_SvI51yGND56Q-LACSQ4TlOUpm4bLU0qJ1nZpv53nG6DiQ3EgVvs5_dsP2cHgydb"
+        "yWC2CMW1gIBYQTG7u78V4DBCsYO116qEYi5gMFVsGRVQWq9XAYrFDqzaIO2fK-OYDNGwBtcYxela"
+        "2YDjUoBuja0I3Q8kaxwqgq8m43IUf1QXn2Cpom6dpw5OkpekfxA_L_1F5h9HnOJvlmXTspJsUXFN"
+        "pIQCfIp9ilw0H_OxYurziUKrqDKuYaXnF_n29PD6yGodhvbISwGlJ9PIXpHqwjHdmXdu0BNqE4x3"
+        "WWsqkFXc9PwjoLZexdkNqxFWSeMFoEx1jXQB0CpEWXsaeDhp3H7ufd8JIu_P8Wl5MRkSOCnrZO3p"
+        "gJnPqxtn-HPyilGxj-D7fIAFbJG8bIj9Ejv2bwEH-WMYtLJYXZVKrw5paMgPseVWEWmt7PQ9MtE4"
+        "DjJtOX4AWwQVLQ=="
+    ),
     "SCALER_FOUND_INF_AGREEMENT": _scenario(
         (sc.ZeroGrad(), sc.Forward(), sc.ScaledBackward(), sc.ScalerStep()),
         sc.Setup(offload_params=True, wrap=sc.Wrap.BLOCKS, ignored_blocks=(0,)),

@@ -194,6 +194,20 @@ def _one_agreement(op: str, key: str, value: Any) -> tuple[str, Any]:
     return key, value
 
 
+def _overflowed_gradient(op: str, key: str, value: Any) -> tuple[str, Any]:
+    """A gradient holding inf or nan: its finite values as zeros (where it is not
+    finite and with what sign are kept)."""
+    if not key.endswith(" .grad") or not isinstance(value, TensorView):
+        return key, value
+    values = value.values
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+        return key, value
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return key, value
+    return key, value._replace(values=torch.where(finite, torch.zeros_like(values), values))
+
+
 def _flat_param_requires_grad(op: str, key: str, value: Any) -> tuple[str, Any]:
     """A saved ``_flat_param`` (LOCAL_STATE_DICT) without its requires_grad."""
     if key not in ("state dict", "full state dict"):
@@ -340,6 +354,19 @@ NORMALISED: dict[str, Normalised] = {
             "global metadata, offsets and values are compared)",
             _local_shard_placements,
             impls=(OURS,),
+        ),
+        Normalised(
+            "OVERFLOWED_GRADIENT_VALUES",
+            "a gradient holding inf or nan (a scaled low-precision backward that overflowed: "
+            "the scaler skips the step and backs off): its finite elements are sums whose "
+            "addends were near the dtype's largest value, so the order in which an "
+            "implementation reduces them decides them far beyond the low-precision tolerance "
+            "(the seventeenth deep run: a row of an fp16 NO_SHARD gradient at world size 3 "
+            "beside inf and nan rows). Where it is not finite, and with which sign, is "
+            "compared; its finite values are not (the parameters, which the skipped step "
+            "leaves alone, are)",
+            _overflowed_gradient,
+            references=(TORCH, OURS),
         ),
         Normalised(
             "SCALER_FOUND_INF_AGREEMENT",
