@@ -63,13 +63,9 @@ from fsdp import _comm
 Piece = tuple[list[int], list[int]]  # offsets, sizes
 
 
-def placement(global_rank: int, device: torch.device | str) -> str:
-    """A ``ShardedTensor`` placement in global metadata: on ``device`` itself, or on a
-    device type's device ``global rank % device count`` (see [Note: Rows chunked as
-    torch.chunk])."""
-    if isinstance(device, torch.device) and device.type != "cpu":
-        return f"rank:{global_rank}/{device}"
-    device_type = device if isinstance(device, str) else device.type
+def placement(global_rank: int, device_type: str) -> str:
+    """A ``ShardedTensor`` placement on a device type: the CPU, or device ``global
+    rank % device count`` (see [Note: Rows chunked as torch.chunk])."""
     if device_type == "cpu":
         return f"rank:{global_rank}/cpu"
     count = torch.get_device_module(device_type).device_count()
@@ -96,8 +92,9 @@ def sharded_tensor(
     group_type = _comm.group_device_type(group) if by_group else None
 
     def placed(i: int) -> str:
-        on = device if i == rank else device.type
-        return placement(global_ranks[i], group_type or on)
+        if group_type is None and i == rank:
+            return f"rank:{global_ranks[i]}/{device}"
+        return placement(global_ranks[i], group_type or device.type)
 
     metadata = [
         ShardMetadata(offsets, sizes, placed(i))
