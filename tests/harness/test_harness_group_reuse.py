@@ -47,6 +47,7 @@ REUSE = textwrap.dedent(
         def test_c_destroys(self):
             c = dist.new_group([0, 1, 2], backend="gloo")
             record("destroys", c)
+            assert total(c) == 3  # all ranks joined before any destroys it
             dist.destroy_process_group(c)
 
         def test_d_after_destroy(self):
@@ -56,6 +57,9 @@ REUSE = textwrap.dedent(
 
         def test_e_fails(self):
             c = dist.new_group([0, 1, 2], backend="gloo")
+            # Every rank has joined the group before rank 0 fails: a rank that
+            # fails while the others still connect tears the group down under them.
+            assert total(c) == 3
             record("fails", c)
             assert False, "a failing test"
 
