@@ -290,6 +290,42 @@ class TestFSDPWithDeviceMeshAndDTensor(FSDPTest):
             with self.assertRaisesRegex(RuntimeError, _LOCAL_WITH_MESH):
                 FSDP.optim_state_dict(model, optim)
 
+    def test_a_full_state_dict_is_refused_under_sharded(self) -> None:
+        """A FULL_STATE_DICT (plain tensors) loaded while SHARDED_STATE_DICT is in
+        effect is refused on every rank, with or without a mesh, whether the type
+        was entered as a context or set (set inside a summon, it outlives the
+        summon). Without a mesh both raise torch's "Expected ShardedTensor"; with
+        one torch's gather fails on the plain tensor (AttributeError), ours names
+        the key and the DTensor it expected. The parameters are left as they were."""
+        self.run_subtests(
+            {"with_mesh": [True, False], "set_in_summon": [True, False]},
+            self._test_a_full_state_dict_is_refused_under_sharded,
+        )
+
+    def _test_a_full_state_dict_is_refused_under_sharded(
+        self, with_mesh: bool, set_in_summon: bool
+    ) -> None:
+        model, _ = self._create_model(False, self._mesh() if with_mesh else None)
+        full = model.state_dict()  # FULL_STATE_DICT: the default type
+        edited = {key: value + 1 for key, value in full.items()}
+        if set_in_summon:
+            with FSDP.summon_full_params(model):
+                FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        else:
+            FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        expected = (AssertionError, "^Expected ShardedTensor, got <class 'torch.Tensor'>$")
+        if with_mesh:
+            torch_impl = ADAPTER.known_defects.refuses_sharded_load_across_meshes
+            expected = (
+                (AttributeError, "has no attribute 'device_mesh'")
+                if torch_impl
+                else (AssertionError, "^Expected DTensor, got <class 'torch.Tensor'> for 'net")
+            )
+        with self.assertRaisesRegex(*expected):
+            model.load_state_dict(edited)
+        FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
+        self.assertEqual(self._full_params(model), full)
+
     def test_sharded_state_dicts_load_into_the_other_kind(self) -> None:
         """A sharded model state dict of a mesh's unit (DTensor) loads into a
         group's unit (ShardedTensor) and the other way round under ours, with the

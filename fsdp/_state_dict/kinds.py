@@ -175,9 +175,23 @@ class _ShardedStateDict(_FullStateDict):
             value = state_dict.get(key)
             if isinstance(value, (ShardedTensor, DTensor)):
                 state_dict[key] = gathered_param(value, state, index)
-            elif isinstance(value, Tensor) and value.dim() > 0 and not saves_dtensors(state):
-                raise AssertionError(f"Expected ShardedTensor, got {type(value)}")  # torch's
+            elif isinstance(value, Tensor) and value.dim() > 0:
+                raise _plain_tensor_error(state, key, value)
         return super().pre_load(state, state_dict, prefix)
+
+
+def _plain_tensor_error(state: FSDPState, key: str, value: Tensor) -> AssertionError:
+    """A SHARDED_STATE_DICT load handed a plain tensor (a state dict saved under
+    another type, say). Torch's text for units that save ShardedTensors; for
+    units that save DTensors torch fails inside its gather (``AttributeError:
+    'Tensor' object has no attribute 'device_mesh'``), so ours names the key."""
+    if not saves_dtensors(state):
+        return AssertionError(f"Expected ShardedTensor, got {type(value)}")
+    return AssertionError(
+        f"Expected DTensor, got {type(value)} for {key!r}: a SHARDED_STATE_DICT of a "
+        "unit with a device mesh holds DTensors (was the state dict saved under another "
+        "StateDictType?)"
+    )
 
 
 class _LocalStateDict(Kind):

@@ -270,7 +270,11 @@ class ProgramMachine(RuleBasedStateMachine):
         self._exit()
 
     def _exit(self) -> None:
-        _, self.settings = self.contexts.pop()
+        # Only a state_dict_type context restores the type it was entered under:
+        # one set inside a summon or no_sync stays after it.
+        name, entered_under = self.contexts.pop()
+        if name == "state_dict_type":
+            self.settings = entered_under
         self._add(sc.Exit())
 
     @precondition(lambda self: self._free())
@@ -641,7 +645,11 @@ class ProgramMachine(RuleBasedStateMachine):
         stepped = any(isinstance(op, (sc.OptimStep, sc.ScalerStep)) for op in self.ops)
         if not stepped or not self._may_save_optim():
             return None
-        outer = self.contexts[0][1] if self.contexts else self.settings  # after the exits
+        # After the exits: the outermost state_dict_type context restores its own.
+        typed = [
+            entered_under for name, entered_under in self.contexts if name == "state_dict_type"
+        ]
+        outer = typed[0] if typed else self.settings
         local = outer.kind is sc.StateDictKind.LOCAL
         return sc.OptimApi.FULL if local else sc.OptimApi.OPTIM_STATE_DICT
 

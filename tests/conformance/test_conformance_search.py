@@ -314,6 +314,7 @@ def _valid(scenario: sc.Scenario) -> None:
         depth += isinstance(op, entered) - isinstance(op, sc.Exit)
         assert depth >= 0, scenario.describe()
     assert depth == 0, scenario.describe()
+    _loads_match_the_type_in_effect(scenario)
     setup = scenario.setup
     assert scenario.world_size % setup.replicas == 0
     assert not setup.offload_params and not setup.sync_module_states  # torch on CPU ranks
@@ -323,6 +324,27 @@ def _valid(scenario: sc.Scenario) -> None:
         assert setup.mixed_precision is None  # torch's FSDP(FSDP(m)) with mixed precision fails
 
 
+def _loads_match_the_type_in_effect(scenario: sc.Scenario) -> None:
+    """A state dict is loaded under the kind it was saved under. Exiting a summon
+    or no_sync leaves the type that set_state_dict_type set inside it; exiting a
+    state_dict_type context restores the type it was entered under."""
+    kind, restores, saved = sc.StateDictKind.FULL, [], []
+    for op in scenario.ops:
+        if isinstance(op, (sc.EnterNoSync, sc.EnterSummon)):
+            restores.append(None)
+        elif isinstance(op, sc.EnterStateDictType):
+            restores.append(kind)
+            kind = op.settings.kind
+        elif isinstance(op, sc.SetStateDictType):
+            kind = op.settings.kind
+        elif isinstance(op, sc.Exit):
+            kind = restores.pop() or kind
+        elif isinstance(op, sc.SaveStateDict):
+            saved.append(kind)
+        elif isinstance(op, sc.LoadStateDict):
+            assert saved[op.slot] is kind, scenario.describe()
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_drawn_scenarios_are_valid_plain_data(world_size: int) -> None:
     """What the ranks rebuild a scenario from: plain data, the same after a round
@@ -330,7 +352,7 @@ def test_drawn_scenarios_are_valid_plain_data(world_size: int) -> None:
     close every context they open; what torch's FSDP is not asked on CPU ranks,
     and what ours is not asked yet, is not drawn."""
     target = Target("fsdp", "torch.distributed.fsdp", "cpu", world_size)
-    chosen = settings(max_examples=60, stateful_step_count=15, database=None, deadline=None)
+    chosen = settings(max_examples=100, stateful_step_count=30, database=None, deadline=None)
     run_state_machine_as_test(machine_for(target, _valid), settings=chosen)
 
 
