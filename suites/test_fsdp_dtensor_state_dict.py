@@ -8,7 +8,8 @@ parameter (empty beyond the number of chunks), the same tensor a
 ``ShardedTensor`` holds, on the same device (the CPU with ``offload_to_cpu``);
 optimizer states likewise, ``step`` staying a plain tensor. Both survive
 ``torch.save``/``torch.load`` (weights only) and load back.
-``LOCAL_STATE_DICT`` is refused. Upstream runs with 4 ranks (or one per GPU);
+``LOCAL_STATE_DICT`` is refused, and so is a full state dict's plain tensors
+loaded under ``SHARDED_STATE_DICT``. Upstream runs with 4 ranks (or one per GPU);
 here 2, so that two GPUs run it on NCCL, with a one-row layer that leaves rank 1
 an empty chunk (upstream's uneven model leaves rank 3 one at 4 ranks).
 
