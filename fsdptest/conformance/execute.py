@@ -104,9 +104,9 @@ class Run:
         self.loss = None
         self._records: list[OpRecord] = []
         self._current: dict[str, Any] = {}
-        # (name, context, the state-dict settings to restore on leaving it)
+        # (name, context, the state-dict settings a state_dict_type context restores)
         self._contexts: list[tuple[str, contextlib.AbstractContextManager[Any], sc.Settings]] = []
-        self._saved: list[tuple[Any, Any]] = []  # (state dict, its observation when saved)
+        self._saved: list[tuple[Any, Any, Any]] = []  # (state dict, observed, its type)
         self._saved_optim: list[tuple[Any, Any, sc.Settings | None, sc.OptimApi, bool]] = []
         self._names: dict[int, str] = {}  # module id -> name in the unwrapped model
         self._attributes: list[tuple[str, nn.Module, str]] = []
@@ -295,7 +295,7 @@ class Run:
             observed[f"attribute {path}"] = self.observe(value)
             if isinstance(value, torch.Tensor):
                 observed[f"attribute {path} .grad"] = self.observe(value.grad)
-        for slot, (saved, when_saved) in enumerate(self._saved):
+        for slot, (saved, when_saved, _) in enumerate(self._saved):
             observed[f"state dict {slot} changed since saved"] = self._changed(saved, when_saved)
         for slot, (saved, when_saved, *_) in enumerate(self._saved_optim):
             changed = self._changed(saved, when_saved)
@@ -350,9 +350,9 @@ class Run:
     def _op_Exit(self, op: sc.Exit) -> None:
         name, context, settings = self._contexts.pop()
         self._note("left", name)
-        self._settings = settings
         context.__exit__(None, None, None)
         if name == "state_dict_type":  # what persists after leaving the context
+            self._settings = settings  # a summon or no_sync leaves a type set inside it
             self._note("settings after leaving", self.api.FSDP.get_state_dict_type(self.model))
 
     def _enter(self, name: str, context: contextlib.AbstractContextManager[Any]) -> None:
@@ -384,9 +384,19 @@ class Run:
         saved = self.model.state_dict()
         observed = self.observe(saved)
         self._current["state dict"] = [observed]
-        self._saved.append((saved, observed))
+        self._saved.append((saved, observed, self._type_in_effect()))
+
+    def _type_in_effect(self) -> Any:
+        """The model's state dict type; None where its units disagree (torch raises)."""
+        try:
+            return self.api.FSDP.get_state_dict_type(self.model).state_dict_type
+        except Exception:
+            return None
 
     def _op_LoadStateDict(self, op: sc.LoadStateDict) -> None:
+        saved_under, now = self._saved[op.slot][2], self._type_in_effect()
+        if None not in (saved_under, now) and now != saved_under:  # see sc.ProgramNotAsDrawn
+            raise sc.ProgramNotAsDrawn(f"slot {op.slot}: {saved_under} at save, {now} now")
         saved = dict(self._saved[op.slot][0])
         if op.edit is sc.LoadEdit.DROP and saved:
             saved.pop(next(iter(saved)))

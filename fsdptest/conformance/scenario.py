@@ -596,3 +596,15 @@ def _text(value: object) -> str:
     if dataclasses.is_dataclass(value) and hasattr(value, "describe"):
         return str(value.describe())
     return str(value)
+
+
+class ProgramNotAsDrawn(BaseException):
+    """[Note: A program that is not what was drawn]
+    The drawing keeps a model of the program's state (the state dict type in
+    effect, what each slot was saved under) and draws only what that model says is
+    valid. Where the model is wrong, both implementations may refuse the program
+    alike, and a refusal both make is an observation, not a difference: the
+    search would pass while checking less than it drew. The trace checks the
+    model where it can read the truth (a load's slot against the type in effect)
+    and raises this, which no ``catching()`` swallows (it is not an
+    ``Exception``), so the scenario fails as a defect of the search."""
