@@ -380,14 +380,14 @@ class Run:
         self._settings = op.settings
 
     def _op_SaveStateDict(self, op: sc.SaveStateDict) -> None:
-        self._note("settings", self.api.FSDP.get_state_dict_type(self.model))
+        settings = self.api.FSDP.get_state_dict_type(self.model)
+        self._note("settings", settings)
         saved = self.model.state_dict()
         observed = self.observe(saved)
         self._current["state dict"] = [observed]
-        self._saved.append((saved, observed, self._type_in_effect()))
+        self._saved.append((saved, observed, settings.state_dict_type))
 
-    def _type_in_effect(self) -> Any:
-        """The model's state dict type; None where its units disagree (torch raises)."""
+    def _type_in_effect(self) -> Any:  # None where the units disagree (torch raises)
         try:
             return self.api.FSDP.get_state_dict_type(self.model).state_dict_type
         except Exception:
