@@ -205,7 +205,8 @@ def pool_manager(config: pytest.Config) -> PoolManager:
         from harness._controller.dispatch import PoolManager
 
         plan, directory = device_plan(config), lease_directory(config)
-        leases = GpuLeases(directory.path, plan.gpus) if plan.gpus else None
+        slots = config.getoption("gpu_slots")
+        leases = GpuLeases(directory.path, plan.gpus, slots) if plan.gpus else None
         config.stash[leases_key] = leases
         settings = dataclasses.replace(
             config.stash[settings_key],

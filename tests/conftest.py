@@ -80,7 +80,12 @@ def inner(
     if INNER_DEVICE != "cpu":
         # The inner session leases the outer session's GPUs from its lease directory.
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(device_plan(request.config).gpus))
-        lease_args = ("--gpu-lease-dir", str(lease_directory(request.config).path))
+        lease_args = (
+            "--gpu-lease-dir",
+            str(lease_directory(request.config).path),
+            "--gpu-slots",
+            str(request.config.getoption("gpu_slots")),
+        )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)

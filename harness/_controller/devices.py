@@ -7,7 +7,10 @@ respected). A test whose k ranks fit on the G GPUs (k <= G) leases k of them for
 its run, waiting while other workers hold them (see [Note: Leasing GPUs] in
 ``harness._controller.leases``), and its ranks start with the lease as their
 ``CUDA_VISIBLE_DEVICES``, so CUDA initialises with only those GPUs visible: two
-tests never share a GPU, and none silently lands on GPU 0. The pytest processes
+tests never share a GPU, and none silently lands on GPU 0. ``--gpu-slots N`` lets
+up to N tests share each GPU (each test's ranks still on distinct GPUs): on a
+machine whose tests are small, the GPUs then serve N tests at a time instead of
+idling between one test's kernels (see docs/gpu-runs.md for what it buys). The pytest processes
 never initialise CUDA (they only count devices) and hold no GPU memory.
 
 A pool is started on the GPUs of a lease and kept, idle, when the lease ends

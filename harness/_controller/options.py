@@ -176,6 +176,15 @@ def _add_pool_options(group: pytest.OptionGroup) -> None:
         "a directory of this session's own.",
     )
     group.addoption(
+        "--gpu-slots",
+        type=int,
+        default=1,
+        metavar="N",
+        help="let up to N tests run on one GPU at once (their ranks are different "
+        "processes; the ranks of one test still get distinct GPUs). Default 1: no two "
+        "concurrent tests share a GPU. Sessions sharing a --gpu-lease-dir must agree.",
+    )
+    group.addoption(
         "--rank-profile",
         default=None,
         metavar="DIR",
@@ -241,6 +250,8 @@ def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
         _refuse(config, "dist_world_size", f"needs at least 1 rank, got {world_size}")
     _check_seconds(config, "dist_timeout", minimum_exclusive=True)
     _check_seconds(config, "fail_grace", minimum_exclusive=False)
+    if config.getoption("gpu_slots") < 1:
+        _refuse(config, "gpu_slots", f"needs at least 1 slot, got {config.getoption('gpu_slots')}")
     fake_gpus(config)
     for dest in ("gpu_lease_dir", "rank_profile"):
         directory(config, dest)
