@@ -27,6 +27,7 @@ from fsdptest.api import (
     ShardingStrategy,
     clean_tensor_name,
 )
+from fsdptest.limitations import skip_torch_offload_race
 from fsdptest.parity import REORDERED_FP32
 from harness import current_device
 
@@ -137,6 +138,9 @@ class _ClipGradNorm(FSDPTest):
         use_orig_params: bool,
         offload: bool,
     ) -> None:
+        skip_torch_offload_race(
+            self, [sharding.inner, sharding.root], CPUOffload(offload), use_orig_params
+        )
         model = _fsdp(
             sharding.inner,
             sharding.root,

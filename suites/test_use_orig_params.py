@@ -42,6 +42,7 @@ from fsdptest.api import (
     clean_tensor_name,
 )
 from fsdptest.interface import DeviceInitMode, FSDPInitMode
+from fsdptest.limitations import skip_torch_offload_race
 from harness import DistributedTest
 from models import TransformerWithSharedParams
 
@@ -342,6 +343,7 @@ class TestFSDPUseOrigParamsMultipleParamGroups(FSDPTest):
         model (else after); both are allowed, for flexibility."""
         if cuda_init_mode == DeviceInitMode.AFTER and cpu_offload.offload_params:
             return  # not supported
+        skip_torch_offload_race(self, [sharding_strategy], cpu_offload, use_orig_params=True)
         os.environ[_FSDP_SKIP_WRITEBACK_CHECK] = _env_flag(skip_writeback_check)
         ddp_model = self._get_ddp_transformer(find_unused_params=False)
         ddp_optim = self._get_optim(ddp_model, optim_class, multi_tensor)

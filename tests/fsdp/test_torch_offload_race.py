@@ -1,0 +1,58 @@
+"""``fsdptest.limitations.skip_torch_offload_race``: which configurations a suite's
+numeric check skips, where, and under which implementation (without GPUs: the
+device and the adapter are stood in for)."""
+
+from __future__ import annotations
+
+import unittest
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsdptest import limitations
+from fsdptest.adapters import KnownDefects
+from fsdptest.api import CPUOffload, ShardingStrategy
+from harness.assertions import Assertions
+
+NO_SHARD, FULL_SHARD = ShardingStrategy.NO_SHARD, ShardingStrategy.FULL_SHARD
+
+
+def _skips(monkeypatch, *, torch_defects: bool, device: str, **config) -> bool:
+    defects = KnownDefects.all_present() if torch_defects else KnownDefects()
+    monkeypatch.setattr(limitations, "ADAPTER", SimpleNamespace(known_defects=defects))
+    monkeypatch.setattr(limitations, "current_device", lambda: torch.device(device))
+    try:
+        limitations.skip_torch_offload_race(Assertions(), **config)
+    except unittest.SkipTest as skip:
+        assert "pytorch/pytorch#118245" in str(skip)
+        return True
+    return False
+
+
+RACY = {"strategies": [NO_SHARD], "cpu_offload": CPUOffload(True), "use_orig_params": True}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"strategies": [FULL_SHARD]},
+        {"strategies": [None]},
+        {"cpu_offload": CPUOffload(False)},
+        {"cpu_offload": None},
+        {"use_orig_params": False},
+    ],
+)
+def test_only_no_shard_with_offload_and_orig_params_skips(monkeypatch, change):
+    assert _skips(monkeypatch, torch_defects=True, device="cuda", **RACY)
+    assert not _skips(monkeypatch, torch_defects=True, device="cuda", **(RACY | change))
+
+
+def test_a_no_shard_unit_among_others_skips(monkeypatch):
+    config = RACY | {"strategies": [NO_SHARD, FULL_SHARD]}  # inner NO_SHARD, root FULL_SHARD
+    assert _skips(monkeypatch, torch_defects=True, device="cuda", **config)
+
+
+def test_cpu_ranks_and_this_projects_fsdp_never_skip(monkeypatch):
+    assert not _skips(monkeypatch, torch_defects=True, device="cpu", **RACY)
+    assert not _skips(monkeypatch, torch_defects=False, device="cuda", **RACY)
