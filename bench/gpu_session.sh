@@ -152,7 +152,7 @@ pair)
         [ "$impl" = torch ] && gpus=2,3
         rm -rf "/tmp/leases-pair-$impl"
         CUDA_VISIBLE_DEVICES=$gpus python3 bench/gpu_sampler.py --csv "$OUT/pair-$impl.csv" -- \
-            timeout -s INT 550 $PYTEST "$@" -n "$n" -q -rfE --tb=short --fsdp-impl "$impl" \
+            timeout -s INT "${PAIR_TIMEOUT:-550}" $PYTEST "$@" -n "$n" -q -rfE --tb=short --fsdp-impl "$impl" \
             --gpu-slots "$slots" --gpu-lease-dir "/tmp/leases-pair-$impl" \
             --junitxml="$OUT/pair-$impl.xml" >"$OUT/pair-$impl.log" 2>&1 &
     done

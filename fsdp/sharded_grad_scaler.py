@@ -13,6 +13,15 @@ signature. Gradients may live on the CPU (parameter offloading), may be fp16
 and may be sparse. The process group may be any object with torch's
 ``allreduce`` (``DummyProcessGroup`` in single-process tests).
 
+[Note: Unscaling gradients on another device]
+``GradScaler._unscale_grads_`` copies the scale and the found-inf flag to each
+gradient device with ``non_blocking=True``. From an accelerator to the CPU that
+copy is asynchronous, and the CPU kernel that unscales offloaded gradients runs
+at once: it may read the scale before it arrives, and the copy, landing late,
+overwrites the flag it set (an inf in a CPU gradient reported as none, seen on
+two GPUs shared by two tests). Here each device's gradients are unscaled apart,
+with the scale and the flag already copied there by a blocking copy.
+
 [Note: The scaler's device]
 ``device`` defaults to ``"cuda"`` like torch's. On a machine without CUDA that
 default means the CPU (this project's convention: "cuda" is "the test's
@@ -30,6 +39,22 @@ from torch.amp import GradScaler
 from torch.amp.grad_scaler import OptState
 
 from fsdp import _comm
+
+
+class _OneDeviceParams:
+    """The parameters of one gradient device, as ``_unscale_grads_`` reads an optimizer."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+
+
+def _params_by_grad_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, list[Any]]:
+    by_device: dict[torch.device, list[Any]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                by_device.setdefault(param.grad.device, []).append(param)
+    return by_device
 
 
 def _resolve_device(device: str) -> str:
@@ -91,8 +116,17 @@ class ShardedGradScaler(GradScaler):
         allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
         """Unscales this rank's gradients; returns the found-inf flag per device
-        (at least one entry, on the flag's device, when there is no gradient)."""
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        (at least one entry, on the flag's device, when there is no gradient).
+        See [Note: Unscaling gradients on another device]."""
+        per_device: dict[torch.device, torch.Tensor] = {}
+        for device, params in _params_by_grad_device(optimizer).items():
+            on_device = super()._unscale_grads_(
+                _OneDeviceParams(params),  # type: ignore[arg-type]
+                inv_scale.to(device),
+                found_inf.to(device, copy=True),
+                allow_fp16,
+            )
+            per_device.update(on_device)
         return per_device or {found_inf.device: found_inf}
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

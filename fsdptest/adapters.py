@@ -175,6 +175,12 @@ class KnownDefects:
     still read it (pytorch/pytorch#118245, #178142; the cause in #194519): losses
     and gradients depend on the GPU's pace. Not assertable (a race); numeric checks
     of such units skip there (fsdptest.limitations.skip_torch_offload_race)."""
+    scaler_races_on_cpu_gradients: bool = False
+    """ShardedGradScaler on an accelerator with CPU gradients: the scale and the
+    found-inf flag reach the CPU by a non-blocking copy that the CPU kernel does not
+    wait for, so a found inf can be overwritten by the late copy (ours: [Note:
+    Unscaling gradients on another device] in fsdp/sharded_grad_scaler.py).
+    suites/test_grad_scaler.py skips the affected check there."""
     local_state_dict_offload_on_accelerator: bool = False
     """LOCAL_STATE_DICT with offload_to_cpu=True raises on accelerator ranks
     (ShardedTensor.cpu() under no_grad; fsdptest.limitations,

@@ -86,6 +86,30 @@ def skip_torch_offload_race(
         case.skipTest(TORCH_OFFLOAD_RACE)
 
 
+def skip_torch_offload_race_in(
+    case: Assertions, model: nn.Module, cpu_offload: CPUOffload | None, use_orig_params: bool
+) -> None:
+    """``skip_torch_offload_race`` for the units of ``model`` as built: a unit of a
+    one-rank group is NO_SHARD whatever strategy it was given (an expert of a
+    mixture of experts, say)."""
+    strategies = [getattr(m, "sharding_strategy", None) for m in FSDP.fsdp_modules(model)]
+    skip_torch_offload_race(case, strategies, cpu_offload, use_orig_params)
+
+
+TORCH_SCALER_RACE = (
+    "torch's ShardedGradScaler copies its found-inf flag to the CPU without waiting for "
+    "the copy on accelerators: a found inf in a CPU gradient can be lost"
+)
+
+
+def skip_torch_scaler_race(case: Assertions) -> None:
+    """Skips a check of found-infs in CPU gradients where torch's scaler races on
+    them (``KnownDefects.scaler_races_on_cpu_gradients``, accelerator ranks)."""
+    defect = ADAPTER.known_defects.scaler_races_on_cpu_gradients
+    if defect and current_device().type != "cpu":
+        case.skipTest(TORCH_SCALER_RACE)
+
+
 def torch_local_offload_fails() -> bool:
     """Whether a LOCAL_STATE_DICT with offload_to_cpu=True fails here (torch's FSDP
     on accelerator ranks)."""

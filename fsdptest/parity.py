@@ -83,7 +83,7 @@ from fsdptest.interface import (
     to_device_if,
     unwrap_test_model,
 )
-from fsdptest.limitations import skip_torch_offload_race
+from fsdptest.limitations import skip_torch_offload_race_in
 from harness.assertions import Assertions
 from harness.testcase import current_device
 
@@ -432,13 +432,11 @@ def check_fsdp_parity(
     """Builds both models and checks them; see [Note: The parity recipe]."""
     if config.fsdp_init_mode is FSDPInitMode.NO_FSDP:
         raise ValueError("parity needs an FSDP init mode that wraps with FSDP")
-    skip_torch_offload_race(
-        case, [config.sharding_strategy], config.cpu_offload, config.use_orig_params
-    )
     device = current_device()
     ref_model = build_reference(group, model_class, config, ref_init_fn)
     reference = Trainer(case, ref_model, config.train_options(reference=True))
     fsdp_model = build_fsdp_model(group, model_class, config)
+    skip_torch_offload_race_in(case, fsdp_model, config.cpu_offload, config.use_orig_params)
     fsdp = Trainer(case, fsdp_model, config.train_options(reference=False))
     if config.expects_offload_error(device):
         with case.assertRaisesRegex(RuntimeError, OFFLOAD_DEVICE_ERROR.format(device=device.type)):

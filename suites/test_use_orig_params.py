@@ -515,6 +515,7 @@ class TestFSDPUseOrigParamsUnshardReshard(FSDPTest):
     ) -> tuple[FSDP, torch.optim.Optimizer, FSDP, torch.optim.Optimizer]:
         """Returns a pair of (FSDP model, optimizer) for ``use_orig_params=False``
         and ``True``, respectively."""
+        skip_torch_offload_race(self, [sharding_strategy], cpu_offload, use_orig_params=True)
         lr = 1e-2
         fsdp_kwargs = {
             "sharding_strategy": sharding_strategy,

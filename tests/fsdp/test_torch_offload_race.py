@@ -1,4 +1,4 @@
-"""``fsdptest.limitations.skip_torch_offload_race``: which configurations a suite's
+"""The skips of torch races in ``fsdptest.limitations``: which configurations a suite's
 numeric check skips, where, and under which implementation (without GPUs: the
 device and the adapter are stood in for)."""
 
@@ -56,3 +56,35 @@ def test_a_no_shard_unit_among_others_skips(monkeypatch):
 def test_cpu_ranks_and_this_projects_fsdp_never_skip(monkeypatch):
     assert not _skips(monkeypatch, torch_defects=True, device="cpu", **RACY)
     assert not _skips(monkeypatch, torch_defects=False, device="cuda", **RACY)
+
+
+def test_units_of_a_one_rank_group_count_as_no_shard(monkeypatch):
+    """The built model decides: torch makes a unit of a one-rank group NO_SHARD."""
+    units = [SimpleNamespace(sharding_strategy=FULL_SHARD)]
+    monkeypatch.setattr(limitations, "FSDP", SimpleNamespace(fsdp_modules=lambda model: units))
+    monkeypatch.setattr(
+        limitations, "ADAPTER", SimpleNamespace(known_defects=KnownDefects.all_present())
+    )
+    monkeypatch.setattr(limitations, "current_device", lambda: torch.device("cuda"))
+    config = (CPUOffload(True), True)
+    limitations.skip_torch_offload_race_in(Assertions(), object(), *config)  # no skip
+    units.append(SimpleNamespace(sharding_strategy=NO_SHARD))  # an expert's unit
+    with pytest.raises(unittest.SkipTest, match="118245"):
+        limitations.skip_torch_offload_race_in(Assertions(), object(), *config)
+
+
+@pytest.mark.parametrize(
+    ("torch_defects", "device", "skips"),
+    [(True, "cuda", True), (True, "cpu", False), (False, "cuda", False)],
+)
+def test_the_scaler_race_skips_only_torch_on_accelerators(
+    monkeypatch, torch_defects, device, skips
+):
+    defects = KnownDefects.all_present() if torch_defects else KnownDefects()
+    monkeypatch.setattr(limitations, "ADAPTER", SimpleNamespace(known_defects=defects))
+    monkeypatch.setattr(limitations, "current_device", lambda: torch.device(device))
+    if skips:
+        with pytest.raises(unittest.SkipTest, match="found-inf"):
+            limitations.skip_torch_scaler_race(Assertions())
+    else:
+        limitations.skip_torch_scaler_race(Assertions())

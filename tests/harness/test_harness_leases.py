@@ -64,6 +64,43 @@ def test_a_lease_prefers_the_gpus_of_kept_pools(tmp_path: Path):
             assert lease.gpus == ("0", "1")  # else the first free ones, in order
 
 
+def test_slots_let_tests_share_a_gpu_but_never_a_slot(tmp_path: Path):
+    """With two slots a GPU serves two leases at once, each lease still takes
+    distinct GPUs, a third lease of both waits, and one-GPU leases spread over the
+    GPUs before doubling up."""
+    a, b, c = (GpuLeases(tmp_path, GPUS, slots=2) for _ in range(3))
+    first, second = a.acquire(2, "a"), b.acquire(2, "b")
+    assert first.gpus == second.gpus == GPUS
+    assert set(zip(first.gpus, first.slots)).isdisjoint(zip(second.gpus, second.slots))
+    got: list[tuple[str, ...]] = []
+    waiter = threading.Thread(target=lambda: got.append(c.acquire(2, "c").gpus))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # every slot of both GPUs is leased
+    a.release()
+    waiter.join(5)
+    assert got == [GPUS]
+    b.release()
+    c.release()
+    spread = [leases.acquire(1, name).gpus for leases, name in ((a, "a1"), (b, "b1"), (c, "c1"))]
+    assert spread == [("g0",), ("g1",), ("g0",)]  # the least busy GPU first
+    for leases in (a, b, c):
+        leases.close()
+    assert [e["slots"] for e in read_journal(tmp_path)][:3] == [[0, 0], [1, 1], [0, 0]]
+    assert (tmp_path / "slots").read_text().strip() == "2"
+
+
+def test_a_lease_directory_refuses_another_slot_count(tmp_path: Path):
+    """Processes sharing a directory must count slots alike: one leasing a single
+    slot of a GPU another believes has two would share it unknowingly."""
+    with GpuLeases(tmp_path, GPUS, slots=2).leased(1, "two slots"):
+        pass
+    with pytest.raises(ValueError, match="leasing 2 slot.* this one leases 1: .*--gpu-slots"):
+        GpuLeases(tmp_path, GPUS).acquire(1, "one slot")
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        GpuLeases(tmp_path, GPUS, slots=0)
+
+
 HOLDER = textwrap.dedent(
     """
     import sys, time
@@ -378,3 +415,38 @@ def test_a_killed_workers_lease_is_reclaimed(inner, tmp_path: Path):
     assert len(journal) == 4  # the killed worker's lease was never released by it
     assert all(float(e["acquired"]) > killed_at for e in journal)  # type: ignore[arg-type]
     assert all(e["gpus"] == list(GPUS) for e in journal)
+
+
+def test_gpu_slots_reach_the_leases_of_an_xdist_session(inner, tmp_path: Path):
+    """``--gpu-slots 2`` under -n 2: every 2-rank test leases both fake GPUs, no
+    slot of a GPU is held by two tests at once and no GPU by more than two; the
+    directory records the count. ``--gpu-slots 0`` is a usage error."""
+    lease_dir = tmp_path / "leases"
+    args = ("-o", "harness_fake_gpus=g0,g1", "--gpu-lease-dir", str(lease_dir), "-k", "Two")
+    run = inner(LEASED, "-n", "2", "--device", "auto", "--gpu-slots", "2", *args)
+    run.result.assert_outcomes(passed=4)
+    journal = read_journal(lease_dir)
+    assert len(journal) == 4 and all(e["gpus"] == list(GPUS) for e in journal)
+    for gpu in GPUS:
+        held = [e for e in journal if gpu in e["gpus"]]  # type: ignore[operator]
+        assert _most_at_once(held) <= 2
+        for slot in (0, 1):
+            on_slot = [e for e in held if e["slots"][e["gpus"].index(gpu)] == slot]  # type: ignore[attr-defined,index]
+            assert _most_at_once(on_slot) <= 1, f"slot {slot} of {gpu} leased twice at once"
+    assert (lease_dir / "slots").read_text().strip() == "2"
+    refused = inner(LEASED, "--gpu-slots", "0")
+    assert refused.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--gpu-slots needs at least 1 slot, got 0" in refused.result.stderr.str()
+
+
+def _most_at_once(leases: list[dict[str, object]]) -> int:
+    """The most of ``leases`` held at one time (a release before an acquisition at
+    the same instant)."""
+    events = sorted(
+        [(float(e["acquired"]), 1) for e in leases] + [(float(e["released"]), -1) for e in leases]  # type: ignore[arg-type]
+    )
+    held = most = 0
+    for _, change in sorted(events, key=lambda ev: (ev[0], ev[1])):
+        held += change
+        most = max(most, held)
+    return most
