@@ -78,7 +78,7 @@ class Lease:
     holder: str
     acquired_at: float  # time.time() when the GPUs were taken
     waited_s: float
-    slots: tuple[int, ...] = ()  # the slot taken of each GPU, in the order of ``gpus``
+    slots: tuple[int, ...]  # the slot taken of each GPU, in the order of ``gpus``
 
 
 class GpuLeases:
