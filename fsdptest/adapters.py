@@ -174,7 +174,7 @@ class KnownDefects:
     computation stream, so the allocator may hand it to the next copy while kernels
     still read it (pytorch/pytorch#118245, #178142; the cause in #194519): losses
     and gradients depend on the GPU's pace. Not assertable (a race); numeric checks
-    of such units skip there (fsdptest.limitations.skip_torch_offload_race)."""
+    of such units skip there (fsdptest.races, [Note: Skipping what torch races on])."""
     scaler_races_on_cpu_gradients: bool = False
     """ShardedGradScaler on an accelerator with CPU gradients: the scale and the
     found-inf flag reach the CPU by a non-blocking copy that the CPU kernel does not

@@ -28,28 +28,17 @@
   asserts it.
 - ``sync_module_states=True`` refuses CPU parameters and buffers
   (``TORCH_SYNC_MODULE_STATES_ERROR``), whatever ``device_id`` says.
-- On accelerator ranks, NO_SHARD units with parameter offload and
-  ``use_orig_params=True`` race with the caching allocator
-  (``KnownDefects.no_shard_offload_race_on_accelerator``): wrong losses and
-  gradients come and go with the GPU's pace (on two GPUs shared by two tests at a
-  time, ``--gpu-slots 2``, in one run of four; never with a GPU to itself). A race
-  cannot be asserted, so ``skip_torch_offload_race`` skips the numeric check of
-  such a configuration there, visibly, naming the torch issue.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from torch import nn
 
 from fsdptest.api import (
     ADAPTER,
     FSDP,
-    CPUOffload,
     FullStateDictConfig,
     LocalStateDictConfig,
-    ShardingStrategy,
     StateDictType,
 )
 from harness import current_device
@@ -62,52 +51,6 @@ TORCH_SYNC_MODULE_STATES_ERROR = (
 
 
 TORCH_LOCAL_OFFLOAD_ERROR = "Local shards' tensor requires_grad property is incompatible"
-
-
-TORCH_OFFLOAD_RACE = (
-    "torch's FSDP races on NO_SHARD units with parameter offload and use_orig_params=True "
-    "on accelerators (pytorch/pytorch#118245): their numbers depend on the GPU's pace"
-)
-
-
-def skip_torch_offload_race(
-    case: Assertions,
-    strategies: Iterable[ShardingStrategy | None],
-    cpu_offload: CPUOffload | None,
-    use_orig_params: bool,
-) -> None:
-    """Skips a numeric check of units with ``strategies`` that torch's FSDP races
-    on here (see the note)."""
-    if not (ADAPTER.known_defects.no_shard_offload_race_on_accelerator and use_orig_params):
-        return
-    offloads = cpu_offload is not None and cpu_offload.offload_params
-    no_shard = any(s is ShardingStrategy.NO_SHARD for s in strategies)
-    if offloads and no_shard and current_device().type != "cpu":
-        case.skipTest(TORCH_OFFLOAD_RACE)
-
-
-def skip_torch_offload_race_in(
-    case: Assertions, model: nn.Module, cpu_offload: CPUOffload | None, use_orig_params: bool
-) -> None:
-    """``skip_torch_offload_race`` for the units of ``model`` as built: a unit of a
-    one-rank group is NO_SHARD whatever strategy it was given (an expert of a
-    mixture of experts, say)."""
-    strategies = [getattr(m, "sharding_strategy", None) for m in FSDP.fsdp_modules(model)]
-    skip_torch_offload_race(case, strategies, cpu_offload, use_orig_params)
-
-
-TORCH_SCALER_RACE = (
-    "torch's ShardedGradScaler copies its found-inf flag to the CPU without waiting for "
-    "the copy on accelerators: a found inf in a CPU gradient can be lost"
-)
-
-
-def skip_torch_scaler_race(case: Assertions) -> None:
-    """Skips a check of found-infs in CPU gradients where torch's scaler races on
-    them (``KnownDefects.scaler_races_on_cpu_gradients``, accelerator ranks)."""
-    defect = ADAPTER.known_defects.scaler_races_on_cpu_gradients
-    if defect and current_device().type != "cpu":
-        case.skipTest(TORCH_SCALER_RACE)
 
 
 def torch_local_offload_fails() -> bool:

@@ -83,7 +83,7 @@ from fsdptest.interface import (
     to_device_if,
     unwrap_test_model,
 )
-from fsdptest.limitations import skip_torch_offload_race_in
+from fsdptest.races import skip_torch_offload_race_in
 from harness.assertions import Assertions
 from harness.testcase import current_device
 

@@ -27,8 +27,8 @@ from fsdptest.api import (
     ShardingStrategy,
     clean_tensor_name,
 )
-from fsdptest.limitations import skip_torch_offload_race
 from fsdptest.parity import REORDERED_FP32
+from fsdptest.races import skip_torch_offload_race
 from harness import current_device
 
 LOSS_SCALE = 100.0

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdptest import FSDPTest
 from fsdptest.api import FSDP, ShardedGradScaler, ShardingStrategy
-from fsdptest.limitations import skip_torch_scaler_race
+from fsdptest.races import skip_torch_scaler_race
 from harness import DistributedTest, current_device
 from models import DummyProcessGroup
 

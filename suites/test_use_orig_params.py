@@ -42,7 +42,7 @@ from fsdptest.api import (
     clean_tensor_name,
 )
 from fsdptest.interface import DeviceInitMode, FSDPInitMode
-from fsdptest.limitations import skip_torch_offload_race
+from fsdptest.races import skip_torch_offload_race
 from harness import DistributedTest
 from models import TransformerWithSharedParams
 

@@ -1,4 +1,4 @@
-"""The skips of torch races in ``fsdptest.limitations``: which configurations a suite's
+"""The skips of torch races in ``fsdptest.races``: which configurations a suite's
 numeric check skips, where, and under which implementation (without GPUs: the
 device and the adapter are stood in for)."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdptest import limitations
+from fsdptest import races
 from fsdptest.adapters import KnownDefects
 from fsdptest.api import CPUOffload, ShardingStrategy
 from harness.assertions import Assertions
@@ -20,10 +20,10 @@ NO_SHARD, FULL_SHARD = ShardingStrategy.NO_SHARD, ShardingStrategy.FULL_SHARD
 
 def _skips(monkeypatch, *, torch_defects: bool, device: str, **config) -> bool:
     defects = KnownDefects.all_present() if torch_defects else KnownDefects()
-    monkeypatch.setattr(limitations, "ADAPTER", SimpleNamespace(known_defects=defects))
-    monkeypatch.setattr(limitations, "current_device", lambda: torch.device(device))
+    monkeypatch.setattr(races.api, "ADAPTER", SimpleNamespace(known_defects=defects))
+    monkeypatch.setattr(races, "current_device", lambda: torch.device(device))
     try:
-        limitations.skip_torch_offload_race(Assertions(), **config)
+        races.skip_torch_offload_race(Assertions(), **config)
     except unittest.SkipTest as skip:
         assert "pytorch/pytorch#118245" in str(skip)
         return True
@@ -61,16 +61,16 @@ def test_cpu_ranks_and_this_projects_fsdp_never_skip(monkeypatch):
 def test_units_of_a_one_rank_group_count_as_no_shard(monkeypatch):
     """The built model decides: torch makes a unit of a one-rank group NO_SHARD."""
     units = [SimpleNamespace(sharding_strategy=FULL_SHARD)]
-    monkeypatch.setattr(limitations, "FSDP", SimpleNamespace(fsdp_modules=lambda model: units))
+    monkeypatch.setattr(races.api, "FSDP", SimpleNamespace(fsdp_modules=lambda model: units))
     monkeypatch.setattr(
-        limitations, "ADAPTER", SimpleNamespace(known_defects=KnownDefects.all_present())
+        races.api, "ADAPTER", SimpleNamespace(known_defects=KnownDefects.all_present())
     )
-    monkeypatch.setattr(limitations, "current_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(races, "current_device", lambda: torch.device("cuda"))
     config = (CPUOffload(True), True)
-    limitations.skip_torch_offload_race_in(Assertions(), object(), *config)  # no skip
+    races.skip_torch_offload_race_in(Assertions(), object(), *config)  # no skip
     units.append(SimpleNamespace(sharding_strategy=NO_SHARD))  # an expert's unit
     with pytest.raises(unittest.SkipTest, match="118245"):
-        limitations.skip_torch_offload_race_in(Assertions(), object(), *config)
+        races.skip_torch_offload_race_in(Assertions(), object(), *config)
 
 
 @pytest.mark.parametrize(
@@ -81,10 +81,10 @@ def test_the_scaler_race_skips_only_torch_on_accelerators(
     monkeypatch, torch_defects, device, skips
 ):
     defects = KnownDefects.all_present() if torch_defects else KnownDefects()
-    monkeypatch.setattr(limitations, "ADAPTER", SimpleNamespace(known_defects=defects))
-    monkeypatch.setattr(limitations, "current_device", lambda: torch.device(device))
+    monkeypatch.setattr(races.api, "ADAPTER", SimpleNamespace(known_defects=defects))
+    monkeypatch.setattr(races, "current_device", lambda: torch.device(device))
     if skips:
         with pytest.raises(unittest.SkipTest, match="found-inf"):
-            limitations.skip_torch_scaler_race(Assertions())
+            races.skip_torch_scaler_race(Assertions())
     else:
-        limitations.skip_torch_scaler_race(Assertions())
+        races.skip_torch_scaler_race(Assertions())
