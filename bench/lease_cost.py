@@ -120,12 +120,33 @@ def summarise(journal: list[dict[str, object]], gpus: tuple[str, ...] = ()) -> N
         f"  {len(journal)} leases in {span:.2f} s (GPU-time packed perfectly: {ideal:.2f} s, "
         f"{ideal / span:.0%} of the wall)"
     )
-    print("  leased: " + ", ".join(f"{g} {t / span:.0%}" for g, t in sorted(held.items())))
+    print(
+        "  leased (summed over a GPU's slots, so over 100 % when tests shared it): "
+        + ", ".join(f"{g} {t / span:.0%}" for g, t in sorted(held.items()))
+    )
+    print(
+        "  most tests on a GPU at once: "
+        + ", ".join(f"{g} {_most_at_once(journal, g)}" for g in sorted(held))
+    )
     print(
         f"  waits: median {statistics.median(waits) * 1e3:.1f} ms, "
         f"p90 {waits[int(0.9 * (len(waits) - 1))] * 1e3:.1f} ms, max {waits[-1] * 1e3:.1f} ms"
     )
     print(f"  leases per process: {sorted(per_pid.values())}")
+
+
+def _most_at_once(journal: list[dict[str, object]], gpu: str) -> int:
+    events = sorted(
+        (float(e[key]), change)  # type: ignore[arg-type]
+        for e in journal
+        if gpu in e["gpus"]  # type: ignore[operator]
+        for key, change in (("acquired", 1), ("released", -1))
+    )
+    held = most = 0
+    for _, change in events:  # a release sorts before an acquisition at one instant
+        held += change
+        most = max(most, held)
+    return most
 
 
 def in_situ() -> None:
