@@ -16,8 +16,6 @@
 #   bash bench/gpu_session.sh pair SLOTS N PATHS  # 4 GPUs as two 2-GPU machines: PATHS -n N with
 #                                              # --gpu-slots SLOTS, this FSDP on GPUs 0,1 and
 #                                              # torch's on 2,3 at once
-#   bash bench/gpu_session.sh single           # 2+ GPUs as 1-GPU machines: the whole suite of this
-#                                              # FSDP on GPU 0, torch's suites on GPU 1, at once
 #   bash bench/gpu_session.sh conformance [N]  # the conformance survey at world size 2 on NCCL,
 #                                              # N scenarios, every report in $OUT
 #   bash bench/gpu_session.sh replays FILE     # each scenario of FILE ("NAME REPLAY_ID" a line)
@@ -161,22 +159,6 @@ pair)
         echo "== $impl"
         grep "rank tests: \|^FAILED\|^ERROR\|passed\|failed\|wall\|GPU" "$OUT/pair-$impl.log" | tail -n 30
         python3 bench/lease_cost.py --journal "/tmp/leases-pair-$impl" | tail -n 5
-    done
-    ;;
-single)
-    for impl in local torch; do
-        gpu=0 paths=
-        [ "$impl" = torch ] && gpu=1 paths=suites
-        rm -rf "/tmp/leases-single-$impl"
-        CUDA_VISIBLE_DEVICES=$gpu python3 bench/gpu_sampler.py --csv "$OUT/single-$impl.csv" -- \
-            timeout -s INT 530 $PYTEST $paths -n 8 -q -rfE --tb=short --fsdp-impl "$impl" \
-            --gpu-lease-dir "/tmp/leases-single-$impl" --junitxml="$OUT/single-$impl.xml" \
-            >"$OUT/single-$impl.log" 2>&1 &
-    done
-    wait
-    for impl in local torch; do
-        echo "== $impl"
-        grep "rank tests: \|^FAILED\|^ERROR\|passed\|failed\|wall\|GPU" "$OUT/single-$impl.log" | tail -n 30
     done
     ;;
 conformance)

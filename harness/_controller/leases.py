@@ -7,9 +7,9 @@ S > 1 (``--gpu-slots``) a GPU has S lock files (``gpu-<id>.lock``,
 ``gpu-<id>.1.lock``, ...) and up to S tests run on it at once; a lease of k GPUs
 is still k distinct GPUs (one slot of each), so the ranks of one test never
 share a GPU (NCCL refuses two ranks of a communicator on one device), while the
-ranks of two tests may. ``flock`` locks
-belong to the open file, so the kernel drops them when the process ends, however
-it ends: a worker killed in the middle of a test leaves no stale lease behind.
+ranks of two tests may. ``flock`` locks belong to the open file, so the kernel
+drops them when the process ends, however it ends: a worker killed in the middle
+of a test leaves no stale lease behind.
 The pytest process holds the locks (its ranks are spawned, and inherit no
 descriptors but their pipes), so a lease lasts exactly as long as the test that
 holds it.
