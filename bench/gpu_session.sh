@@ -16,6 +16,11 @@
 #   bash bench/gpu_session.sh pair SLOTS N PATHS  # 4 GPUs as two 2-GPU machines: PATHS -n N with
 #                                              # --gpu-slots SLOTS, this FSDP on GPUs 0,1 and
 #                                              # torch's on 2,3 at once
+#   bash bench/gpu_session.sh ones             # 2 GPUs as two 1-GPU machines: the whole suite -n 8
+#                                              # with this FSDP on GPU 0, the suites under torch's
+#                                              # on GPU 1, at once
+#   bash bench/gpu_session.sh steptime         # world size 1 on GPU 0: the latency-bound preset in
+#                                              # 6 interleaved rounds (twice) and the 937M model
 #   bash bench/gpu_session.sh conformance [N]  # the conformance survey at world size 2 on NCCL,
 #                                              # N scenarios, every report in $OUT
 #   bash bench/gpu_session.sh replays FILE     # each scenario of FILE ("NAME REPLAY_ID" a line)
@@ -160,6 +165,32 @@ pair)
         grep "rank tests: \|^FAILED\|^ERROR\|passed\|failed\|wall\|GPU" "$OUT/pair-$impl.log" | tail -n 30
         python3 bench/lease_cost.py --journal "/tmp/leases-pair-$impl" | tail -n 5
     done
+    ;;
+ones)
+    for impl in local torch; do
+        gpu=0 paths=""
+        [ "$impl" = torch ] && gpu=1 paths=suites
+        rm -rf "/tmp/leases-one-$impl"
+        CUDA_VISIBLE_DEVICES=$gpu python3 bench/gpu_sampler.py --csv "$OUT/one-$impl.csv" -- \
+            timeout -s INT "${ONES_TIMEOUT:-560}" $PYTEST $paths -n 8 -q -rfE --tb=short --fsdp-impl "$impl" \
+            --gpu-lease-dir "/tmp/leases-one-$impl" --junitxml="$OUT/one-$impl.xml" >"$OUT/one-$impl.log" 2>&1 &
+    done
+    wait
+    for impl in local torch; do
+        echo "== $impl"
+        grep "rank tests: \|^FAILED\|^ERROR\|passed\|failed\|wall\|GPU" "$OUT/one-$impl.log" | tail -n 30
+    done
+    ;;
+steptime)
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    for round in 1 2; do
+        timeout 200 python3 bench/fsdp_step.py --preset latency --world-size 1 --warmup 5 --steps 60 \
+            --rounds 6 --modes ddp,torch-fsdp1,torch-fsdp2,local,local-flat \
+            --json "$OUT/latency-$round.json" 2>&1 | tee "$OUT/latency-$round.log" | grep -v Warning | tail -n 12
+    done
+    timeout 200 python3 bench/fsdp_step.py --preset gpt-937m --world-size 1 --warmup 3 --steps 30 \
+        --modes ddp,torch-fsdp2,local,local-flat --json "$OUT/gpt-937m.json" 2>&1 |
+        tee "$OUT/gpt-937m.log" | grep -v Warning | tail -n 12
     ;;
 conformance)
     rm -rf /tmp/leases-conformance "$OUT/conformance-stats.jsonl"
