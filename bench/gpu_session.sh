@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh probe            # versions, NCCL unit costs, leasing on the GPUs
 #   bash bench/gpu_session.sh profile [PATHS]  # where a suite's time goes on NCCL (--rank-profile)
 #   bash bench/gpu_session.sh torchrun         # --launcher torchrun on the two GPUs
-#   bash bench/gpu_session.sh suites local     # suites -n 2, both GPUs leased, this FSDP
+#   bash bench/gpu_session.sh suites local [N [SLOTS]]  # suites -n N (2) --gpu-slots SLOTS (1),
+#                                              # this FSDP
 #   bash bench/gpu_session.sh suites torch     # the same against torch.distributed.fsdp
 #   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
 #   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
@@ -97,8 +98,8 @@ torchrun)
 suites)
     impl=${1:-local}
     rm -rf "/tmp/leases-$impl"
-    sampled "suites-$impl" timeout 570 $PYTEST suites -n 2 -rs --fsdp-impl "$impl" \
-        --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
+    sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-1}" -q -rfEs \
+        --tb=short --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
     python3 bench/lease_cost.py --journal "/tmp/leases-$impl" | tee -a "$OUT/suites-$impl.log"
     ;;
 tests)

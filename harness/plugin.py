@@ -43,6 +43,7 @@ import pytest
 from harness import hookspec
 from harness._controller import options
 from harness._controller.devices import DevicePlan, LeaseDirectory, visible_gpus
+from harness._controller.durations import DurationLog
 from harness._controller.leases import GpuLeases
 from harness._controller.pytest_reports import (
     SessionReporter,
@@ -65,6 +66,7 @@ manager_key = pytest.StashKey["PoolManager"]()
 settings_key = pytest.StashKey[PoolSettings]()
 filter_key = pytest.StashKey[tuple[tuple[str, str], ...]]()
 lease_dir_key = pytest.StashKey[LeaseDirectory]()
+durations_key = pytest.StashKey[DurationLog]()
 leases_key = pytest.StashKey["GpuLeases | None"]()
 
 
@@ -101,6 +103,12 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         "as --map-cuda-to-cpu, for every distributed test of the session",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "harness_durations",
+        "a JSON file of test ids to seconds (relative to the ini file) for "
+        "--dist-schedule longest; --dist-record-durations writes it",
+        default="",
     )
     parser.addini(
         "harness_fake_gpus",
@@ -159,6 +167,22 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     reporter = SessionReporter(config, lambda: config.stash[dispatch_key].started())
     config.pluginmanager.register(reporter, "harness-reporter")
+    if not hasattr(config, "workerinput"):
+        log = config.stash[durations_key] = DurationLog(
+            config, options.durations_file(config), config.getoption("dist_record_durations")
+        )
+        config.pluginmanager.register(log, "harness-durations")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """See [Note: Longest tests first] in harness._controller.schedule."""
+    durations = config.stash.get(durations_key, None)
+    if durations is None:
+        return None
+    from harness._controller.schedule import make_scheduler
+
+    return make_scheduler(config, log, durations)
 
 
 def _torchrun_dispatch(config: pytest.Config, settings: PoolSettings) -> Dispatch:

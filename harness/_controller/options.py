@@ -185,6 +185,28 @@ def _add_pool_options(group: pytest.OptionGroup) -> None:
         "concurrent tests share a GPU. Sessions sharing a --gpu-lease-dir must agree.",
     )
     group.addoption(
+        "--dist-schedule",
+        choices=("longest", "xdist"),
+        default="longest",
+        help="under pytest -n (xdist's load mode): send each worker the longest test "
+        "still pending, by durations known from earlier runs (longest), or keep xdist's "
+        "own order (xdist). Default: longest (xdist's order where no duration is known).",
+    )
+    group.addoption(
+        "--dist-durations",
+        default=None,
+        metavar="FILE",
+        help="a JSON file of test ids to seconds that --dist-schedule longest reads "
+        "(pytest's cache is read too). Default: the harness_durations ini value.",
+    )
+    group.addoption(
+        "--dist-record-durations",
+        action="store_true",
+        default=False,
+        help="write this session's test durations into the --dist-durations file "
+        "(merged with what it holds).",
+    )
+    group.addoption(
         "--rank-profile",
         default=None,
         metavar="DIR",
@@ -253,11 +275,28 @@ def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
     if config.getoption("gpu_slots") < 1:
         _refuse(config, "gpu_slots", f"needs at least 1 slot, got {config.getoption('gpu_slots')}")
     fake_gpus(config)
+    if config.getoption("dist_record_durations") and durations_file(config) is None:
+        _refuse(
+            config, "dist_record_durations", "needs a file: --dist-durations or harness_durations"
+        )
     for dest in ("gpu_lease_dir", "rank_profile"):
         directory(config, dest)
     if config.getoption("dist_launcher") == "torchrun":
         _check_torchrun(config)
     return parse_filter(config.getoption("dist_subtest"), _named(config, "dist_subtest"))
+
+
+def durations_file(config: pytest.Config) -> Path | None:
+    """The durations file of --dist-durations (relative to the invocation
+    directory) or of the harness_durations ini value (relative to the ini file)."""
+    given = config.getoption("dist_durations")
+    if given:
+        return Path(config.invocation_params.dir, given)
+    value = str(config.getini("harness_durations") or "")
+    if not value:
+        return None
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return Path(base, value)
 
 
 def fake_gpus(config: pytest.Config) -> tuple[str, ...]:
