@@ -65,6 +65,8 @@ LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("harness.plugin", "harness.rank_calls"): _EVERY_SESSION,
     ("harness.plugin", "harness._controller.dispatch"): _EVERY_SESSION,
     ("harness.plugin", "harness._torchrun.session"): _EVERY_SESSION,
+    ("harness.plugin", "harness._controller.schedule"): "it subclasses xdist's scheduler, and "
+    "xdist is optional: imported only when xdist asks for a scheduler",
     ("fsdptest.plugin", "fsdptest.properties.search"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.conformance.search"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.conformance.scenario"): _EVERY_SESSION,
