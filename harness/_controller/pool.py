@@ -14,6 +14,17 @@ reported. A rank still running after the grace period is almost always blocked
 in a collective waiting for the rank that failed; its stack is captured
 (SIGUSR1 -> faulthandler) and it is stopped. Nobody waits for a collective
 timeout to learn the real error.
+
+[Note: An interrupted test says where its ranks were]
+A session stopped from outside while a test hangs (Ctrl-C, a CI job's time
+limit sending SIGINT, ``timeout -s INT``) used to end with pytest's
+``KeyboardInterrupt`` and nothing about the test: the harness's own deadline,
+which reports every rank's stack, had not come yet. The ranks ignore SIGINT;
+the pytest process, interrupted while it waits for them, asks every rank still
+running for its Python stacks (as at the deadline) and raises
+``InterruptedTest``, a ``KeyboardInterrupt`` that carries them, so pytest stops
+as it would, and the plugin prints them: in the summary, or on the standard
+error of an xdist worker, whose own summary no one sees.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch.distributed as dist
 
 from harness._controller import stacks
 from harness._controller.devices import LEASED_GPUS_ENV
+from harness._controller.report import InterruptedTest
 from harness._protocol import (
     BodyReturned,
     Probe,
@@ -270,7 +282,11 @@ class RankPool:
         for proc in self._ranks:
             proc.conn.send(request)
         driver = _AttemptDriver(self._ranks, deadline, grace_s)
-        attempt = driver.run()
+        try:
+            attempt = driver.run()
+        except KeyboardInterrupt as exc:
+            self.state = PoolState.BROKEN
+            raise InterruptedTest(request.nodeid, driver.stacks_of_running_ranks()) from exc
         if not attempt.pool_broken and not _passed_cleanly_in_step(attempt):
             attempt.pool_broken = not self._probe()
         for proc in self._ranks:
@@ -379,6 +395,13 @@ class _AttemptDriver:
                 break
             self._poll(timeout)
         return self.attempt
+
+    def stacks_of_running_ranks(self) -> dict[int, str]:
+        """The stacks of the ranks that have not finished the test (each asked
+        once; a second interrupt stops the asking)."""
+        return {
+            rank: stacks.clean(self._ranks[rank].dump_stack()) for rank in sorted(self._pending)
+        }
 
     def _next_timeout(self) -> float:
         limit = self._deadline

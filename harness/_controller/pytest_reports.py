@@ -51,13 +51,14 @@ or, under torchrun, the rank it is.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import pytest
 
-from harness._controller.report import SubtestOutcome
+from harness._controller.report import InterruptedTest, SubtestOutcome
 from harness._protocol import Status, SubtestCounts
 from harness._types import Placement
 
@@ -279,6 +280,19 @@ class SessionReporter:
     def totals(self) -> SubtestCounts:
         fields = ("ran", "failed", "skipped", "deselected")
         return SubtestCounts(**{f: sum(c[f] for c in self.subtests.values()) for f in fields})
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """See [Note: An interrupted test says where its ranks were]."""
+        if not isinstance(excinfo.value, InterruptedTest):
+            return
+        text = excinfo.value.describe()
+        terminal = self._config.pluginmanager.get_plugin("terminalreporter")
+        if hasattr(self._config, "workerinput") or terminal is None:
+            worker = getattr(self._config, "workerinput", {}).get("workerid", "")
+            os.write(2, f"\n[{worker}] {text}\n".encode() if worker else f"\n{text}\n".encode())
+            return
+        terminal.write_sep("!", "where the interrupted test's ranks were")
+        terminal.write_line(text)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter

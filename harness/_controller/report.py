@@ -33,6 +33,25 @@ from harness._types import Attempt, RankResult, SubtestRecord
 _DEATH_OUTPUT_LINES = 40
 
 
+class InterruptedTest(KeyboardInterrupt):
+    """The session was interrupted while ``nodeid`` ran (see [Note: An
+    interrupted test says where its ranks were] in ``harness._controller.pool``)."""
+
+    def __init__(self, nodeid: str, rank_stacks: dict[int, str]) -> None:
+        super().__init__(nodeid)
+        self.nodeid = nodeid
+        self.rank_stacks = rank_stacks
+
+    def describe(self) -> str:
+        lines = [f"interrupted while {self.nodeid} ran"]
+        if not self.rank_stacks:
+            lines.append("(every rank had finished it)")
+        for rank, stack in self.rank_stacks.items():
+            lines.append(f"rank {rank} was here:")
+            lines.append(stack or "(no stack: it did not answer)")
+        return "\n".join(lines)
+
+
 class PoolLeakWarning(UserWarning):
     """A test left process groups, threads, descriptors or device memory in its
     pooled ranks that the harness could not release; the pool was replaced."""

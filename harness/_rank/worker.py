@@ -55,6 +55,10 @@ def _prepare_process(spec: WorkerSpec) -> None:
     _STACK_FILES.append(open(stacks_path(spec.output_dir, spec.rank), "a"))
     faulthandler.register(STACK_SIGNAL, file=_STACK_FILES[-1], all_threads=True, chain=False)
     _die_with_parent(spec.parent_pid)
+    # Ctrl-C (SIGINT to the terminal's process group, or `timeout -s INT`) is the
+    # pytest process's to handle: it asks the ranks where they are and stops them
+    # (see [Note: An interrupted test says where its ranks were] in harness._controller.pool).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for key, value in spec.env:
         os.environ[key] = value
     if spec.cuda_visible_devices is not None:
