@@ -98,7 +98,7 @@ torchrun)
 suites)
     impl=${1:-local}
     rm -rf "/tmp/leases-$impl"
-    sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-1}" -q -rfEs \
+    sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-1}" -q -rfEs --dist-timeout 150 \
         --tb=short --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
     python3 bench/lease_cost.py --journal "/tmp/leases-$impl" | tee -a "$OUT/suites-$impl.log"
     ;;
