@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from harness._controller.pytest_reports import WORLD_SIZE
+
 CACHE_KEY = "harness/durations"
 
 
@@ -54,6 +56,7 @@ class DurationLog:
         self._path = path
         self._record = record
         self.measured: dict[str, float] = {}
+        self.distributed_seen = False  # only such sessions record (see the Note)
         self.known: dict[str, float] = read_file(path) if path is not None else {}
         cache = getattr(config, "cache", None)
         if cache is not None:
@@ -69,12 +72,14 @@ class DurationLog:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + report.duration
+        if not self.distributed_seen:
+            self.distributed_seen = any(name == WORLD_SIZE for name, _ in report.user_properties)
 
     def pytest_sessionfinish(self) -> None:
         if not self.measured:
             return
         cache = getattr(self._config, "cache", None)
-        if cache is not None:
+        if cache is not None and self.distributed_seen:
             previous = cache.get(CACHE_KEY, {})
             merged = dict(previous) if isinstance(previous, dict) else {}
             merged.update({k: round(v, 2) for k, v in self.measured.items()})

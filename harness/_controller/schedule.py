@@ -14,8 +14,10 @@ tests queued per worker and no more, so the last tests to start are the
 shortest. A test without a known duration goes first, in collection order: a
 new test may be long.
 
-The durations are each test's setup, call and teardown, summed. A session
-records them in pytest's cache (``harness/durations``) when it ends, and reads
+The durations are each test's setup, call and teardown, summed. A session that
+ran a distributed test records them in pytest's cache (``harness/durations``)
+when it ends (a foreign project's sessions, which load the plugin too, record
+nothing and so keep xdist's order: see [Note: A plugin in every session]), and reads
 them from there and from the file named by the ``harness_durations`` ini value
 or ``--dist-durations`` (a file kept with the project, so that a fresh checkout
 on a CI runner schedules well too; the cache wins where both know a test);

@@ -108,18 +108,44 @@ def test_xdist_order_where_asked_where_another_mode_or_nothing_known(
     assert in_order(started, list("abcdef")), started
 
 
+ONE_DISTRIBUTED = textwrap.dedent(
+    """
+    from harness import DistributedTest
+
+    class TestRanks(DistributedTest):
+        world_size = 1
+
+        def test_rank(self):
+            assert self.rank == 0
+    """
+)
+
+
 def test_the_cache_remembers_durations_for_the_next_session(
     pytester: pytest.Pytester, session
 ) -> None:
-    result, started = session()
-    result.assert_outcomes(passed=6)
+    pytester.makepyfile(test_zdist=ONE_DISTRIBUTED)
+    result, started = session("--device", "cpu")
+    result.assert_outcomes(passed=7)
     assert "scheduled longest first" not in result.stdout.str()
     cached = json.loads((pytester.path / ".pytest_cache/v/harness/durations").read_text())
-    assert set(cached) == {nodeid(n) for n in "abcdef"}
+    assert set(cached) == {nodeid(n) for n in "abcdef"} | {"test_zdist.py::TestRanks::test_rank"}
     assert cached[nodeid("e")] > cached[nodeid("f")] > max(cached[nodeid(n)] for n in "abcd")
+    (pytester.path / "test_zdist.py").unlink()
     result, started = session()
     result.stdout.fnmatch_lines(["scheduled longest first: the durations of 6 of 6 tests known"])
     assert {names[0] for names in started.values()} == {"e", "f"}, started
+
+
+def test_a_session_without_distributed_tests_leaves_the_cache_alone(
+    pytester: pytest.Pytester, session
+) -> None:
+    """A foreign project's sessions load the plugin too: their order stays xdist's."""
+    for _ in range(2):
+        result, started = session()
+        result.assert_outcomes(passed=6)
+        assert "scheduled longest first" not in result.stdout.str()
+    assert not (pytester.path / ".pytest_cache/v/harness/durations").exists()
 
 
 def test_record_durations_merges_the_session_into_the_file(
