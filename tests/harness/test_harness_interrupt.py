@@ -55,7 +55,15 @@ def test_an_interrupted_session_says_where_every_rank_was(
     }
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS"):
         env.pop(name, None)
-    args = [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "no:cacheprovider"]
+    # A shell without job control starts background commands with SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt: the session gets SIGINT's
+    # default disposition, as under a terminal, whatever started this one.
+    default_sigint = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    args = [sys.executable, "-c", default_sigint, "-m", "pytest"]
+    args += ["-p", "harness.plugin", "-p", "no:cacheprovider"]
     args += ["--device", "cpu", "--dist-timeout", "300", "test_hang.py"]
     args += ["-n", "2"] if xdist else []
     session = subprocess.Popen(
