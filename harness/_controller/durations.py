@@ -58,14 +58,16 @@ class DurationLog:
         self.measured: dict[str, float] = {}
         self.distributed_seen = False  # only such sessions record (see the Note)
         self.known: dict[str, float] = read_file(path) if path is not None else {}
-        cache = getattr(config, "cache", None)
-        if cache is not None:
-            cached = cache.get(CACHE_KEY, {})
-            if isinstance(cached, dict):
-                self.known.update(
-                    {k: float(v) for k, v in cached.items() if isinstance(v, (int, float))}
-                )
+        self.known.update(self._cached())
         self.scheduled: tuple[int, int] | None = None  # tests of known duration, tests
+
+    def _cached(self) -> dict[str, float]:
+        """The durations in pytest's cache (none without the cache plugin)."""
+        cache = getattr(self._config, "cache", None)
+        data = cache.get(CACHE_KEY, {}) if cache is not None else {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
 
     def note_scheduled(self, collection: Sequence[str]) -> None:
         self.scheduled = (sum(nodeid in self.known for nodeid in collection), len(collection))
@@ -80,10 +82,8 @@ class DurationLog:
             return
         cache = getattr(self._config, "cache", None)
         if cache is not None and self.distributed_seen:
-            previous = cache.get(CACHE_KEY, {})
-            merged = dict(previous) if isinstance(previous, dict) else {}
-            merged.update({k: round(v, 2) for k, v in self.measured.items()})
-            cache.set(CACHE_KEY, merged)
+            measured = {k: round(v, 2) for k, v in self.measured.items()}
+            cache.set(CACHE_KEY, {**self._cached(), **measured})
         if self._record and self._path is not None:
             write_file(self._path, {**read_file(self._path), **self.measured})
 
