@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh suites local [N [SLOTS]]  # suites -n N (2) --gpu-slots SLOTS (1),
 #                                              # this FSDP
 #   bash bench/gpu_session.sh suites torch     # the same against torch.distributed.fsdp
+#                                              # (SPY_AT="400 480": every rank's stacks then)
 #   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
 #   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
 #   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)
@@ -70,6 +71,24 @@ two_agents() {  # two torchrun agents ("nodes") on this machine, one GPU each
     grep -h "passed\|failed\|torchrun:" "$OUT"/agent*-"$port".log | grep -v "^\[" | sort | uniq -c
 }
 
+spy_at() {  # spy_at SECONDS...: at those times after the call, every rank's native and Python
+    # stacks (py-spy, if its wheel is in .whl/), the GPUs' processes and /dev/shm, into $OUT/spy.log
+    local start=$SECONDS at
+    for at in "$@"; do
+        sleep $((at - (SECONDS - start)))
+        {
+            echo "=== ${at} s"
+            nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+            df -h /dev/shm | tail -n 1
+            echo "/dev/shm entries: $(ls /dev/shm | wc -l)"
+            for pid in $(pgrep -f spawn_main); do
+                echo "--- pid $pid wchan $(cat /proc/$pid/wchan 2>/dev/null)"
+                timeout 20 /tmp/site/bin/py-spy dump --native --pid "$pid" 2>&1 | head -n 150
+            done
+        } >>"$OUT/spy.log" 2>&1
+    done
+}
+
 # Set here, not in prelude: a function piped into tee runs in a subshell, and an export
 # there would not reach the steps (the ranks would not find expecttest).
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -98,8 +117,11 @@ torchrun)
 suites)
     impl=${1:-local}
     rm -rf "/tmp/leases-$impl"
+    spy=""
+    if [ -n "${SPY_AT:-}" ]; then spy_at $SPY_AT & spy=$!; fi
     sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-1}" -q -rfEs --dist-timeout 150 \
         --tb=short --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
+    [ -n "$spy" ] && { pkill -P "$spy"; kill "$spy"; } 2>/dev/null
     python3 bench/lease_cost.py --journal "/tmp/leases-$impl" | tee -a "$OUT/suites-$impl.log"
     ;;
 tests)
