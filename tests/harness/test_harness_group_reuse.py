@@ -113,3 +113,92 @@ def test_groups_are_handed_to_later_tests(inner, groups):
         else:
             assert c2 != c1 and recreated != destroyed and after != failed
             assert len(set(sub)) == 3, "--fresh-groups: every subtest creates its own"
+
+
+ASYMMETRIC = textwrap.dedent(
+    """
+    import datetime
+    import pytest, torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from harness import DistributedTest
+    from harness._rank import group_cache
+
+    def created(ask):
+        # How many groups torch created for ``ask`` on each rank: every rank of
+        # the default group must create as many (NCCL splits the default
+        # communicator for each, on members and non-members alike).
+        original, made = c10d._new_group_with_tag, []
+        def counting(*args, **kwargs):
+            made.append(1)
+            return original(*args, **kwargs)
+        c10d._new_group_with_tag = counting
+        try:
+            group = ask()
+        finally:
+            c10d._new_group_with_tag = original
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(made))
+        return group, counts
+
+    def total(group):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    class TestAsymmetric(DistributedTest):
+        world_size = 2
+
+        def test_a_both_ask_for_rank_0(self):
+            group, counts = created(lambda: dist.new_group([0]))
+            assert counts == [1, 1]
+            if self.rank == 0:
+                assert total(group) == 1
+
+        def test_b_each_asks_for_itself(self):
+            # upstream's mixture of experts: rank 0 held a group for its call,
+            # rank 1 none for its own
+            group, counts = created(lambda: dist.new_group([self.rank]))
+            assert counts == [1, 1], counts
+            assert total(group) == 1
+
+        def test_c_each_again(self):
+            group, counts = created(lambda: dist.new_group([self.rank]))
+            assert counts == [0, 0], "both hold a group for their call"
+            assert total(group) == 1
+
+        def test_d_both_again(self):
+            group, counts = created(lambda: dist.new_group([0]))
+            assert counts == [0, 0], counts
+            if self.rank == 0:
+                assert total(group) == 1
+
+        def test_e_members_destroy_then_ask_again(self):
+            def body(i):
+                group, counts = created(lambda: dist.new_group([0]))
+                assert counts == ([1, 1] if i == 1 else [0, 0]), (i, counts)
+                if self.rank == 0:
+                    assert total(group) == 1
+                    if i == 0:
+                        dist.destroy_process_group(group)
+            self.run_subtests({"i": [0, 1]}, body)
+
+        def test_f_only_rank_0_asks(self):
+            group_cache._PEERS_WAIT = datetime.timedelta(seconds=2)
+            if self.rank == 0:
+                dist.new_group([0, 1], backend="gloo")
+    """
+)
+
+
+def test_every_rank_creates_a_group_when_any_rank_lacks_it(inner):
+    """Ranks asking for different groups (upstream's mixture of experts) or a group
+    destroyed on its members only: every rank calls torch when any rank holds no
+    live group for its call, as NCCL needs (a rank outside the group splits the
+    default communicator too); a rank whose peer never calls is told so."""
+    run = inner(ASYMMETRIC, "--dist-timeout", "60")
+    run.result.assert_outcomes(passed=5, failed=1)
+    report = run.section("test_f_only_rank_0_asks")
+    assert "rank 0 called new_group" in report
+    assert "rank(s) 1 did not within 2 s" in report
+    assert "mark the test fresh_pool or run with --fresh-groups" in report
