@@ -121,7 +121,7 @@ ASYMMETRIC = textwrap.dedent(
     import pytest, torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    from harness import DistributedTest
+    from harness import DistributedTest, current_device
     from harness._rank import group_cache
 
     def created(ask):
@@ -142,7 +142,7 @@ ASYMMETRIC = textwrap.dedent(
         return group, counts
 
     def total(group):
-        t = torch.ones(1)
+        t = torch.ones(1, device=current_device())
         dist.all_reduce(t, group=group)
         return t.item()
 
