@@ -167,6 +167,20 @@ def _add_pool_options(group: pytest.OptionGroup) -> None:
         help="create and destroy the process groups of every test instead of handing a "
         "pooled rank's groups to later tests that ask for the same ones.",
     )
+    _add_gpu_options(group)
+    _add_schedule_options(group)
+    group.addoption(
+        "--rank-profile",
+        default=None,
+        metavar="DIR",
+        help="write a cProfile of every distributed test on every rank, and the pools' "
+        "start times, to DIR (created if missing; bench/nccl_test_cost.py summarises "
+        "them).",
+    )
+
+
+def _add_gpu_options(group: pytest.OptionGroup) -> None:
+    """How the session's workers share the GPUs."""
     group.addoption(
         "--gpu-lease-dir",
         default=None,
@@ -184,6 +198,10 @@ def _add_pool_options(group: pytest.OptionGroup) -> None:
         "processes; the ranks of one test still get distinct GPUs). Default 1: no two "
         "concurrent tests share a GPU. Sessions sharing a --gpu-lease-dir must agree.",
     )
+
+
+def _add_schedule_options(group: pytest.OptionGroup) -> None:
+    """The order in which pytest -n hands out the tests."""
     group.addoption(
         "--dist-schedule",
         choices=("longest", "xdist"),
@@ -205,14 +223,6 @@ def _add_pool_options(group: pytest.OptionGroup) -> None:
         default=False,
         help="write this session's test durations into the --dist-durations file "
         "(merged with what it holds).",
-    )
-    group.addoption(
-        "--rank-profile",
-        default=None,
-        metavar="DIR",
-        help="write a cProfile of every distributed test on every rank, and the pools' "
-        "start times, to DIR (created if missing; bench/nccl_test_cost.py summarises "
-        "them).",
     )
 
 
