@@ -6,9 +6,9 @@
 #   bash bench/gpu_session.sh profile [PATHS]  # where a suite's time goes on NCCL (--rank-profile)
 #   bash bench/gpu_session.sh torchrun         # --launcher torchrun on the two GPUs
 #   bash bench/gpu_session.sh suites local [N [SLOTS]]  # suites -n N (2) --gpu-slots SLOTS (1),
-#                                              # this FSDP
+#                                              # this FSDP (SPY_AT="400 480": every rank's
+#                                              # stacks at those seconds, in $OUT/spy.log)
 #   bash bench/gpu_session.sh suites torch     # the same against torch.distributed.fsdp
-#                                              # (SPY_AT="400 480": every rank's stacks then)
 #   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
 #   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
 #   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)

@@ -1,8 +1,8 @@
 """A pooled rank hands the process groups a test created to later tests that ask
 for the same ones (see [Note: Process groups reused across tests] in
 harness._rank.group_cache): distinct calls stay distinct groups, a destroyed
-group is created again, a failed test empties the cache, and --fresh-groups
-turns it off."""
+group is created again, a failed test empties the cache, --fresh-groups
+turns it off, and the ranks of a call reuse a group only if each keeps one."""
 
 from __future__ import annotations
 
