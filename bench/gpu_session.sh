@@ -5,11 +5,11 @@
 #   bash bench/gpu_session.sh probe            # versions, NCCL unit costs, leasing on the GPUs
 #   bash bench/gpu_session.sh profile [PATHS]  # where a suite's time goes on NCCL (--rank-profile)
 #   bash bench/gpu_session.sh torchrun         # --launcher torchrun on the two GPUs
-#   bash bench/gpu_session.sh suites local [N [SLOTS]]  # suites -n N (2) --gpu-slots SLOTS (1),
+#   bash bench/gpu_session.sh suites local [N [SLOTS]]  # suites -n N (2) --gpu-slots SLOTS (auto),
 #                                              # this FSDP (SPY_AT="400 480": every rank's
 #                                              # stacks at those seconds, in $OUT/spy.log)
 #   bash bench/gpu_session.sh suites torch     # the same against torch.distributed.fsdp
-#   bash bench/gpu_session.sh tests            # the harness's own tests -n 2 (inner sessions on GPUs)
+#   bash bench/gpu_session.sh tests [N]        # the harness's own tests -n N (4; inner sessions on GPUs)
 #   bash bench/gpu_session.sh scaling [PATHS]  # PATHS at -n 1, 2, 4: wall time, GPU use, leases
 #   bash bench/gpu_session.sh weak 1           # bench/fsdp_step.py at world size 1 (then: weak 2)
 #   bash bench/gpu_session.sh wide             # 4+ GPUs: the 3- and 4-rank suite tests, both
@@ -119,15 +119,16 @@ suites)
     rm -rf "/tmp/leases-$impl"
     spy=""
     if [ -n "${SPY_AT:-}" ]; then spy_at $SPY_AT & spy=$!; fi
-    sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-1}" -q -rfEs --dist-timeout 150 \
+    sampled "suites-$impl" timeout -s INT 570 $PYTEST suites -n "${2:-2}" --gpu-slots "${3:-auto}" -q -rfEs --dist-timeout 150 \
         --tb=short --fsdp-impl "$impl" --gpu-lease-dir "/tmp/leases-$impl" --junitxml="$OUT/suites-$impl.xml"
     [ -n "$spy" ] && { pkill -P "$spy"; kill "$spy"; } 2>/dev/null
     python3 bench/lease_cost.py --journal "/tmp/leases-$impl" | tee -a "$OUT/suites-$impl.log"
     ;;
 tests)
     rm -rf /tmp/leases-tests
-    sampled tests timeout 570 $PYTEST tests -n 2 -rs --gpu-lease-dir /tmp/leases-tests \
-        --junitxml="$OUT/tests.xml"
+    sampled tests timeout -s INT "${TESTS_TIMEOUT:-570}" $PYTEST tests -n "${1:-4}" -q -rfEs \
+        --dist-timeout 150 --tb=short --gpu-lease-dir /tmp/leases-tests --junitxml="$OUT/tests.xml"
+    python3 bench/lease_cost.py --journal /tmp/leases-tests | tee -a "$OUT/tests.log"
     ;;
 scaling)
     paths=${*:-"suites/test_core.py"}

@@ -44,7 +44,7 @@ from harness import hookspec
 from harness._controller import options
 from harness._controller.devices import DevicePlan, LeaseDirectory, visible_gpus
 from harness._controller.durations import DurationLog
-from harness._controller.leases import GpuLeases
+from harness._controller.leases import GpuLeases, recorded_slots
 from harness._controller.pytest_reports import (
     SessionReporter,
     placement_properties,
@@ -165,7 +165,9 @@ def pytest_configure(config: pytest.Config) -> None:
             functools.partial(_pool_lines, config),
             "spawn",
         )
-    reporter = SessionReporter(config, lambda: config.stash[dispatch_key].started())
+    reporter = SessionReporter(
+        config, lambda: [*_slot_lines(config), *config.stash[dispatch_key].started()]
+    )
     config.pluginmanager.register(reporter, "harness-reporter")
     if not hasattr(config, "workerinput"):
         log = config.stash[durations_key] = DurationLog(
@@ -229,8 +231,10 @@ def pool_manager(config: pytest.Config) -> PoolManager:
         from harness._controller.dispatch import PoolManager
 
         plan, directory = device_plan(config), lease_directory(config)
-        slots = config.getoption("gpu_slots")
-        leases = GpuLeases(directory.path, plan.gpus, slots) if plan.gpus else None
+        leases = None
+        if plan.gpus:
+            adopt = options.given_slots(config) is None
+            leases = GpuLeases(directory.path, plan.gpus, options.gpu_slots(config), adopt)
         config.stash[leases_key] = leases
         settings = dataclasses.replace(
             config.stash[settings_key],
@@ -246,6 +250,16 @@ def _run_on_pools(
     from harness._controller.dispatch import run
 
     return run(pool_manager(config), request, on_ready)
+
+
+def _slot_lines(config: pytest.Config) -> list[str]:
+    """How many tests a GPU could hold at once, where the session leased GPUs."""
+    directory = config.stash.get(lease_dir_key, None)
+    slots = recorded_slots(directory.path) if directory is not None else None
+    if slots is None:
+        return []
+    how = "--gpu-slots auto" if options.given_slots(config) is None else "--gpu-slots"
+    return [f"GPU slots: up to {slots} test(s) on a GPU at once ({how})"]
 
 
 def _pool_lines(config: pytest.Config) -> list[str]:

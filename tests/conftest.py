@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness._controller.options import gpu_slots
 from harness.plugin import device_plan, lease_directory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def inner(
             "--gpu-lease-dir",
             str(lease_directory(request.config).path),
             "--gpu-slots",
-            str(request.config.getoption("gpu_slots")),
+            str(gpu_slots(request.config)),
         )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PIDS_FILE", str(pids_file))

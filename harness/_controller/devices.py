@@ -6,12 +6,14 @@ xdist) may use every visible GPU (an outer ``CUDA_VISIBLE_DEVICES`` is
 respected). A test whose k ranks fit on the G GPUs (k <= G) leases k of them for
 its run, waiting while other workers hold them (see [Note: Leasing GPUs] in
 ``harness._controller.leases``), and its ranks start with the lease as their
-``CUDA_VISIBLE_DEVICES``, so CUDA initialises with only those GPUs visible: two
-tests never share a GPU, and none silently lands on GPU 0. ``--gpu-slots N`` lets
-up to N tests share each GPU (each test's ranks still on distinct GPUs): on a
-machine whose tests are small, the GPUs then serve N tests at a time instead of
-idling between one test's kernels (see docs/gpu-runs.md for what it buys). The pytest processes
-never initialise CUDA (they only count devices) and hold no GPU memory.
+``CUDA_VISIBLE_DEVICES``, so CUDA initialises with only those GPUs visible, and
+none silently lands on GPU 0. A GPU has slots, one per test it may hold at once
+(``--gpu-slots``: by default one per pytest -n worker, at most four, see [Note:
+Slots by default] in ``harness._controller.options``; 1: no two tests share a
+GPU); each test's ranks are on distinct GPUs. On a machine whose tests are small,
+the GPUs then serve several tests at a time instead of idling between one test's
+kernels (see docs/gpu-runs.md for what it buys). The pytest processes never
+initialise CUDA (they only count devices) and hold no GPU memory.
 
 A pool is started on the GPUs of a lease and kept, idle, when the lease ends
 (see ``PoolManager``): the next lease of the same GPUs, which the lease pool

@@ -34,7 +34,8 @@ still holding the allocator lock. Releasing needs no allocator lock. So:
 Every process sharing a directory must lease with the same number of slots (a
 session leasing one slot of a GPU that another session believes has two would
 share it): the first allocator writes the count to ``slots`` in the directory,
-and a process given another count refuses to lease there.
+and a process given another count refuses to lease there, unless it was told to
+adopt the recorded count (``adopt_slots``: ``--gpu-slots auto``).
 
 A process holds at most one lease at a time (a second one while holding a first
 could deadlock with another process doing the same) and ``acquire`` says so.
@@ -59,6 +60,7 @@ from pathlib import Path
 _POLL_FIRST_S = 0.002
 _POLL_MAX_S = 0.02
 JOURNAL = "journal.jsonl"
+SLOTS = "slots"  # the directory's slot count, written by its first allocator
 
 
 class LeaseState(enum.Enum):
@@ -85,7 +87,9 @@ class GpuLeases:
     """Leases of the GPUs ``gpus`` (ids as ``CUDA_VISIBLE_DEVICES`` names them) to
     this process, shared with every process that opens ``directory``."""
 
-    def __init__(self, directory: Path, gpus: tuple[str, ...], slots: int = 1) -> None:
+    def __init__(
+        self, directory: Path, gpus: tuple[str, ...], slots: int = 1, adopt_slots: bool = False
+    ) -> None:
         if len(set(gpus)) != len(gpus):
             raise ValueError(f"GPU ids must be distinct, got {list(gpus)}")
         if slots < 1:
@@ -98,6 +102,7 @@ class GpuLeases:
         self._fds: dict[tuple[str, int], int] = {}
         self._alloc_fd: int | None = None
         self._slots_agreed = False  # the directory's slot count is this process's
+        self._adopt_slots = adopt_slots  # take the count the directory records, if any
 
     def acquire(self, count: int, holder: str, prefer: Sequence[tuple[str, ...]] = ()) -> Lease:
         """Blocks until ``count`` GPUs are leased to this process (see the note)."""
@@ -159,12 +164,14 @@ class GpuLeases:
     def _agree_on_slots(self) -> None:
         """Records this process's slot count in the directory, or refuses to lease
         where another process records a different one (see the note)."""
-        path = self.directory / "slots"
+        path = self.directory / SLOTS
         if not path.exists():
             path.write_text(f"{self.slots}\n")
             return
         recorded = path.read_text().strip()
-        if recorded != str(self.slots):
+        if self._adopt_slots and recorded.isdigit() and int(recorded) >= 1:
+            self.slots = int(recorded)
+        elif recorded != str(self.slots):
             raise ValueError(
                 f"the lease directory {self.directory} is shared with processes leasing "
                 f"{recorded} slot(s) per GPU; this one leases {self.slots}: every session "
@@ -249,3 +256,12 @@ def read_journal(directory: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def recorded_slots(directory: Path) -> int | None:
+    """The slot count a lease directory records (None before its first lease)."""
+    try:
+        recorded = (directory / SLOTS).read_text().strip()
+    except OSError:
+        return None
+    return int(recorded) if recorded.isdigit() else None

@@ -25,6 +25,22 @@ option, instead of a green run, a skip of every test or an error deep inside a
 pool. So is a value that would fail later with a raw traceback: a lease or
 profile directory that cannot be created, a fake GPU named twice, and
 ``--dist-launcher torchrun`` outside torchrun's environment or with ``-n``.
+
+[Note: Slots by default]
+``--gpu-slots auto`` (the default) lets each GPU hold one test per pytest -n
+worker, at most ``AUTO_SLOTS_MAX``: under ``pytest -n 2`` on two GPUs both
+workers run a 2-rank test at once instead of one waiting for the other's lease.
+The tests of a suite like ours are small and keep a GPU busy a third of the
+time, so a GPU per test left the GPUs idle and made ``-n 2`` on two GPUs slower
+than on two CPU cores (893 s against 556 s; docs/gpu-runs.md, runs 25–27 and
+58–59); four tests to a GPU is the most the suites ran with (runs 65–69, at most
+21 GiB used on a GPU). A test's ranks still get distinct GPUs, and the ranks of
+different tests are different processes, so memory counts are per test.
+``--gpu-slots 1`` gives every test GPUs of its own (tests that time kernels or
+need a whole GPU's memory). Without -n one test runs at a time: one slot. A
+shared ``--gpu-lease-dir`` must have one count for all its sessions, so ``auto``
+takes the count it records when it records one (see
+``harness._controller.leases.GpuLeases``).
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from harness._torchrun.env import NotUnderTorchrun, TorchrunEnv
 from harness.subtests import parse_filter
 
 GROUP = "distributed"
+AUTO_SLOTS_MAX = 4  # see [Note: Slots by default]
 
 
 @dataclass(frozen=True)
@@ -191,12 +208,13 @@ def _add_gpu_options(group: pytest.OptionGroup) -> None:
     )
     group.addoption(
         "--gpu-slots",
-        type=int,
-        default=1,
-        metavar="N",
+        default="auto",
+        metavar="N|auto",
         help="let up to N tests run on one GPU at once (their ranks are different "
-        "processes; the ranks of one test still get distinct GPUs). Default 1: no two "
-        "concurrent tests share a GPU. Sessions sharing a --gpu-lease-dir must agree.",
+        "processes; the ranks of one test still get distinct GPUs). 1: no two concurrent "
+        f"tests share a GPU. Default auto: one per pytest -n worker, at most {AUTO_SLOTS_MAX} "
+        "(the count a shared --gpu-lease-dir records, if it records one). Sessions sharing "
+        "a --gpu-lease-dir must agree.",
     )
 
 
@@ -282,8 +300,7 @@ def check(config: pytest.Config) -> tuple[tuple[str, str], ...]:
         _refuse(config, "dist_world_size", f"needs at least 1 rank, got {world_size}")
     _check_seconds(config, "dist_timeout", minimum_exclusive=True)
     _check_seconds(config, "fail_grace", minimum_exclusive=False)
-    if config.getoption("gpu_slots") < 1:
-        _refuse(config, "gpu_slots", f"needs at least 1 slot, got {config.getoption('gpu_slots')}")
+    given_slots(config)
     fake_gpus(config)
     if config.getoption("dist_record_durations") and durations_file(config) is None:
         _refuse(
@@ -307,6 +324,27 @@ def durations_file(config: pytest.Config) -> Path | None:
         return None
     base = config.inipath.parent if config.inipath is not None else config.rootpath
     return Path(base, value)
+
+
+def given_slots(config: pytest.Config) -> int | None:
+    """``--gpu-slots N``'s N, or None for ``auto`` (see ``gpu_slots``)."""
+    given = str(config.getoption("gpu_slots")).strip()
+    if given == "auto":
+        return None
+    if not given.isdigit() or int(given) < 1:
+        _refuse(config, "gpu_slots", f"needs a whole number of at least 1 or 'auto', got {given!r}")
+    return int(given)
+
+
+def gpu_slots(config: pytest.Config) -> int:
+    """The tests one GPU may hold at once: ``--gpu-slots N``, or under ``auto`` one
+    per pytest -n worker up to ``AUTO_SLOTS_MAX`` (see [Note: Slots by default])."""
+    given = given_slots(config)
+    if given is not None:
+        return given
+    workerinput = getattr(config, "workerinput", None)
+    workers = int(workerinput["workercount"]) if workerinput else 1
+    return max(1, min(workers, AUTO_SLOTS_MAX))
 
 
 def fake_gpus(config: pytest.Config) -> tuple[str, ...]:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness._controller.leases import GpuLeases, LeaseState, read_journal
+from harness._controller.leases import GpuLeases, LeaseState, read_journal, recorded_slots
+from harness._controller.options import AUTO_SLOTS_MAX, gpu_slots
 from tests.conftest import ROOT
 from tests.harness.test_harness_runner import src
 
@@ -99,6 +100,24 @@ def test_a_lease_directory_refuses_another_slot_count(tmp_path: Path):
         GpuLeases(tmp_path, GPUS).acquire(1, "one slot")
     with pytest.raises(ValueError, match="at least 1 slot"):
         GpuLeases(tmp_path, GPUS, slots=0)
+
+
+def test_a_lease_adopting_slots_takes_the_directorys_count(tmp_path: Path):
+    """``adopt_slots`` (``--gpu-slots auto``) leases with the count the directory
+    records, whatever this process would have chosen; before any lease it records
+    its own."""
+    assert recorded_slots(tmp_path) is None
+    with GpuLeases(tmp_path, GPUS, slots=3, adopt_slots=True).leased(2, "first"):
+        pass
+    assert recorded_slots(tmp_path) == 3
+    adopting = GpuLeases(tmp_path, GPUS, slots=1, adopt_slots=True)
+    held = [GpuLeases(tmp_path, GPUS, slots=3) for _ in range(2)]
+    for leases in held:
+        leases.acquire(2, "holder")
+    lease = adopting.acquire(2, "third")  # a third slot of each GPU: it counts three
+    assert adopting.slots == 3 and lease.slots == (2, 2)
+    for leases in (adopting, *held):
+        leases.close()
 
 
 HOLDER = textwrap.dedent(
@@ -254,8 +273,8 @@ def _overlap(a: dict[str, object], b: dict[str, object]) -> bool:
 
 
 def test_concurrent_tests_never_share_a_gpu(inner, tmp_path: Path):
-    """Under -n 3 with two fake GPUs: every 1- and 2-rank test runs on leased GPUs
-    (none falls back to CPU), no two leases of one GPU overlap, leases of different
+    """Under -n 3 with two fake GPUs and ``--gpu-slots 1``: every 1- and 2-rank test
+    runs on leased GPUs (none falls back to CPU), no two leases of one GPU overlap, leases of different
     workers do run at the same time, and a worker's pool on a set of GPUs is
     reused across its leases. Each test's report names the GPUs it leased; the
     3-rank test falls back to CPU ranks, said in its report and the summary."""
@@ -272,6 +291,8 @@ def test_concurrent_tests_never_share_a_gpu(inner, tmp_path: Path):
         "harness_fake_gpus=g0,g1",
         "--gpu-lease-dir",
         str(lease_dir),
+        "--gpu-slots",
+        "1",
     )
     run.result.assert_outcomes(passed=9)
     journal = read_journal(lease_dir)
@@ -434,9 +455,60 @@ def test_gpu_slots_reach_the_leases_of_an_xdist_session(inner, tmp_path: Path):
             on_slot = [e for e in held if e["slots"][e["gpus"].index(gpu)] == slot]  # type: ignore[attr-defined,index]
             assert _most_at_once(on_slot) <= 1, f"slot {slot} of {gpu} leased twice at once"
     assert (lease_dir / "slots").read_text().strip() == "2"
-    refused = inner(LEASED, "--gpu-slots", "0")
-    assert refused.result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "--gpu-slots needs at least 1 slot, got 0" in refused.result.stderr.str()
+    assert "GPU slots: up to 2 test(s) on a GPU at once (--gpu-slots)" in run.text
+    for bad in ("0", "two", "-1"):
+        refused = inner(LEASED, "--gpu-slots", bad)
+        assert refused.result.ret == pytest.ExitCode.USAGE_ERROR
+        assert (
+            f"--gpu-slots needs a whole number of at least 1 or 'auto', got '{bad}'"
+            in refused.result.stderr.str()
+        )
+
+
+def test_gpu_slots_auto_gives_a_gpu_one_slot_per_worker(inner, tmp_path: Path):
+    """The default, ``--gpu-slots auto`` ([Note: Slots by default]): under -n 3 on two
+    fake GPUs a GPU holds up to three tests, and the summary says so; without -n one;
+    where a shared lease directory records a count, auto takes it while an explicit
+    other count is refused."""
+    fake = ("--device", "auto", "-o", "harness_fake_gpus=g0,g1", "-k", "not Three")
+    three = inner(LEASED, "-n", "3", *fake, "--gpu-lease-dir", str(tmp_path / "n3"))
+    three.result.assert_outcomes(passed=8)
+    assert recorded_slots(tmp_path / "n3") == 3
+    assert "GPU slots: up to 3 test(s) on a GPU at once (--gpu-slots auto)" in three.text
+    journal = read_journal(tmp_path / "n3")
+    assert all(len(e["gpus"]) in (1, 2) for e in journal) and len(journal) == 8  # type: ignore[arg-type]
+    alone = inner(LEASED, *fake, "--gpu-lease-dir", str(tmp_path / "alone"))
+    alone.result.assert_outcomes(passed=8)
+    assert recorded_slots(tmp_path / "alone") == 1
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "slots").write_text("2\n")
+    adopted = inner(LEASED, *fake, "--gpu-lease-dir", str(shared))
+    adopted.result.assert_outcomes(passed=8)
+    assert recorded_slots(shared) == 2
+    refused = inner(LEASED, *fake, "--gpu-lease-dir", str(shared), "--gpu-slots", "3")
+    refused.result.assert_outcomes(failed=8)
+    assert "this one leases 3: every session sharing a --gpu-lease-dir" in refused.text
+
+
+def test_gpu_slots_auto_is_one_per_worker_up_to_four(pytestconfig: pytest.Config):
+    """The rule itself, on the option values a worker sees."""
+
+    class Config:
+        def __init__(self, given: str, workers: int | None) -> None:
+            self.given = given
+            if workers is not None:
+                self.workerinput = {"workercount": workers}
+
+        def getoption(self, name: str) -> str:
+            assert name == "gpu_slots"
+            return self.given
+
+    expected = {None: 1, 1: 1, 2: 2, 3: 3, 4: 4, 8: AUTO_SLOTS_MAX, 32: AUTO_SLOTS_MAX}
+    for workers, slots in expected.items():
+        assert gpu_slots(Config("auto", workers)) == slots, workers  # type: ignore[arg-type]
+    assert gpu_slots(Config("1", 8)) == 1  # type: ignore[arg-type]
+    assert gpu_slots(Config("6", None)) == 6  # type: ignore[arg-type]
 
 
 def _most_at_once(leases: list[dict[str, object]]) -> int:
