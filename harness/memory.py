@@ -47,7 +47,7 @@ class MemoryMeter:
     device: torch.device
     _profile: profile | None
     _cuda: dict[str, int]
-    _baseline: int  # CUDA: the requested bytes at measuring()'s entry
+    _ledger: _CudaLedger | None  # CUDA: the bytes at measuring()'s entry, and older frees
     _keys: list[str]
     _held: dict[str, int] | None
 
@@ -55,7 +55,7 @@ class MemoryMeter:
         self.device = device
         self._profile = None
         self._cuda = {}
-        self._baseline = 0
+        self._ledger = None
         self._keys = []
         self._held = None
 
@@ -64,8 +64,8 @@ class MemoryMeter:
         """Measures from entry: CPU marks count the bytes allocated since then."""
         if self.device.type == "cuda":
             gc.collect()
-            self._baseline = _settled_cuda_bytes(self.device)
-            yield self
+            with _CudaLedger.recording(self.device) as self._ledger:
+                yield self
             return
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _collectives_off_thread(), self._profile:
@@ -78,7 +78,8 @@ class MemoryMeter:
         self._keys.append(key)
         gc.collect()
         if self.device.type == "cuda":
-            self._cuda[key] = _cuda_bytes_requested(self.device) - self._baseline
+            assert self._ledger is not None, "mark() outside measuring()"
+            self._cuda[key] = self._ledger.held()
             return
         with record_function(_MARK + key):
             pass
@@ -190,6 +191,107 @@ def _cuda_bytes_requested(device: torch.device) -> int:
     torch.empty(1, device=device)  # processes the frees waiting on stream events
     stats = torch.cuda.memory_stats(device)
     return int(stats.get("requested_bytes.all.current", torch.cuda.memory_allocated(device)))
+
+
+class _CudaLedger:
+    """[Note: Frees of older blocks while measuring]
+    A CUDA mark is the requested bytes now less those at ``measuring()``'s entry,
+    plus the bytes of blocks allocated before the entry and freed since: those
+    frees are not the measured code's, yet they lower the count. The entry is
+    read once the count settles (see [Note: A CUDA meter's baseline]), but some
+    frees of earlier blocks come later: NCCL keeps a finished collective's tensors
+    until its watchdog or the next collective on the group lets them go, and a
+    busy GPU (tests sharing it) delays both (a mark 656 bytes short on two H100s
+    shared by four tests each, docs/gpu-runs.md run 74). So from the entry the
+    allocator records its actions (``torch.cuda.memory._record_memory_history``,
+    without stacks); the entry's count and each mark's are the requested sizes of
+    the live blocks of a snapshot, and a mark adds back those of the entry's
+    blocks the record shows freed since. Where the allocator cannot record, marks
+    are the difference of its requested-bytes counts. The record is switched off
+    at the exit (a test recording the allocator's history itself loses it there)."""
+
+    def __init__(
+        self, device: torch.device, older: dict[int, int] | None, baseline: int, seen: int = 0
+    ) -> None:
+        self.device = device
+        self.older = older  # address -> requested bytes of the blocks live at the entry
+        self.baseline = baseline
+        self.seen = seen  # the trace's entries from before the entry
+
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls, device: torch.device) -> Iterator[_CudaLedger]:
+        baseline = _settled_cuda_bytes(device)
+        if not _record_allocator_actions(True):
+            yield cls(device, None, baseline)
+            return
+        snapshot = _snapshot()
+        older, seen = _live_blocks(snapshot, device), len(_trace(snapshot, device))
+        try:
+            yield cls(device, older, sum(older.values()), seen)
+        finally:
+            _record_allocator_actions(False)
+
+    def held(self) -> int:
+        counted = _cuda_bytes_requested(self.device)  # settles the frees waiting on streams
+        if self.older is None:
+            return counted - self.baseline
+        snapshot = _snapshot()
+        now = sum(_live_blocks(snapshot, self.device).values())
+        return now - self.baseline + self._older_freed(snapshot)
+
+    def _older_freed(self, snapshot: dict[str, Any]) -> int:
+        assert self.older is not None
+        live, freed = dict(self.older), 0
+        for entry in _trace(snapshot, self.device)[self.seen :]:
+            if entry.get("action") == "free_completed" and entry.get("addr") in live:
+                freed += live.pop(entry["addr"])
+        return freed
+
+
+def _record_allocator_actions(on: bool) -> bool:
+    """Starts (with an empty history) or stops the CUDA allocator's record of its
+    actions; False where this torch cannot record them."""
+    record = getattr(torch.cuda.memory, "_record_memory_history", None)
+    if record is None:
+        return False
+    try:
+        if not on:
+            record(enabled=None)
+            return True
+        try:
+            record(enabled="all", context=None, stacks="python", clear_history=True)
+        except TypeError:  # a torch without clear_history: the trace may hold older entries
+            record(enabled="all", context=None, stacks="python")
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _snapshot() -> dict[str, Any]:
+    return torch.cuda.memory._snapshot()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _live_blocks(snapshot: dict[str, Any], device: torch.device) -> dict[int, int]:
+    """Address -> requested bytes of the device's allocated blocks."""
+    index = _index(device)
+    return {
+        block["address"]: block.get("requested_size", block["size"])
+        for segment in snapshot["segments"]
+        if segment.get("device", index) == index
+        for block in segment["blocks"]
+        if block["state"] != "inactive"
+    }
+
+
+def _trace(snapshot: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    traces = snapshot.get("device_traces", [])
+    index = _index(device)
+    return list(traces[index]) if index < len(traces) else []
 
 
 def _settled_cuda_bytes(device: torch.device) -> int:

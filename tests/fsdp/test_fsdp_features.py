@@ -227,7 +227,10 @@ class TestOptimStateDict(FSDPTest):
         for state in osd["state"].values():
             self.assertIsInstance(state["exp_avg"], DTensor)
             self.assertEqual(state["exp_avg"].placements, (Shard(0),))
-            self.assertEqual(state["exp_avg"].shape, state["exp_avg"].full_tensor().shape)
+            # offload_to_cpu (the default) puts the DTensor's rows on the CPU, as torch's
+            # FSDP does; gathering them runs on the mesh's device (NCCL has no CPU).
+            rows = state["exp_avg"].to(mesh.device_type)
+            self.assertEqual(state["exp_avg"].shape, rows.full_tensor().shape)
         self.assertEqual(FSDP.optim_state_dict_to_load(model, optim, osd), optim.state_dict())
 
     @_needs_numpy_under_torch

@@ -86,7 +86,10 @@ def test_threads_and_descriptors_stay_bounded_over_many_tests(inner, groups):
         _, _, threads, fds, memory = mine[1]  # after one test: lazily started threads exist
         assert max(s[2] for s in mine) <= threads + 2, mine
         assert max(s[3] for s in mine) <= fds + 4, mine
-        assert max(s[4] for s in mine) <= memory, mine
+        # CUDA: kept NCCL groups may hold a few small blocks of their own from a
+        # later test on (2 KiB seen on two H100s); a leak of a 512-byte block per
+        # test would add 12 KiB over the 24 tests.
+        assert max(s[4] for s in mine) <= memory + 4096, mine
     assert "PoolLeakWarning" not in run.text
 
 

@@ -470,7 +470,9 @@ def test_gpu_slots_auto_gives_a_gpu_one_slot_per_worker(inner, tmp_path: Path):
     fake GPUs a GPU holds up to three tests, and the summary says so; without -n one;
     where a shared lease directory records a count, auto takes it while an explicit
     other count is refused."""
+    # --gpu-slots auto given: on a GPU machine the inner sessions get the outer's count
     fake = ("--device", "auto", "-o", "harness_fake_gpus=g0,g1", "-k", "not Three")
+    fake += ("--gpu-slots", "auto")
     three = inner(LEASED, "-n", "3", *fake, "--gpu-lease-dir", str(tmp_path / "n3"))
     three.result.assert_outcomes(passed=8)
     assert recorded_slots(tmp_path / "n3") == 3

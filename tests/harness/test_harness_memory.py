@@ -36,6 +36,32 @@ class TestMemoryMeter(DistributedTest):
         self.assertEqual(held["gathered"] - base, 768 * KIB)
         self.assertEqual(held["freed"] - base, 0)
 
+    def test_frees_of_tensors_older_than_the_meter_are_not_counted(self) -> None:
+        """A tensor allocated before ``measuring()`` and freed inside it (a cache a
+        library drops, a collective's tensors NCCL lets go late) lowers no mark:
+        marks count what was allocated since the meter started ([Note: Frees of
+        older blocks while measuring]; on CPU the profiler ignores such frees)."""
+        older = [torch.ones(16 * KIB, device=self.device) for _ in range(3)]  # 3 x 64 KiB
+        small = torch.ones(41, device=self.device)  # 164 bytes: below a CUDA block's 512
+        meter = MemoryMeter(self.device)
+        with meter.measuring():
+            meter.mark("start")
+            new = torch.ones(64 * KIB, device=self.device)  # 256 KiB
+            meter.mark("new")
+            del older[1:], small
+            meter.mark("older freed")
+            reused = torch.ones(16 * KIB, device=self.device)  # may take a freed block
+            meter.mark("reused")
+            del older, new
+            meter.mark("all freed")
+        del reused
+        held = meter.held()
+        base = held["start"]
+        self.assertEqual(held["new"] - base, 256 * KIB)
+        self.assertEqual(held["older freed"] - base, 256 * KIB)
+        self.assertEqual(held["reused"] - base, 320 * KIB)
+        self.assertEqual(held["all freed"] - base, 64 * KIB)
+
     def test_collectives_still_compute(self) -> None:
         """Run on copies, the collectives write their results into the caller's
         tensors, also for the list forms and asynchronous calls."""
