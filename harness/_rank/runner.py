@@ -92,12 +92,12 @@ def _init_process_group(spec: WorkerSpec) -> torch.device:
     # torch was imported (unpickling this process's target imports the harness)
     # before the worker applied spec.env: TORCH_DISTRIBUTED_DEBUG is read again.
     dist.set_debug_level_from_env()
+    one_thread_per_rank()
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
         device = torch.device("cuda", spec.rank)
     else:
         device = torch.device("cpu")
-        one_thread_per_rank()
     store = dist.TCPStore(
         "127.0.0.1",
         spec.store_port,
@@ -121,8 +121,12 @@ def one_thread_per_rank() -> None:
     Every rank of every xdist worker computes on the same cores; torch's default
     of one intra-op thread per core would run ranks x workers x cores threads on
     them, and the ranks of a collective wait for the slowest. The small models of
-    distributed tests gain nothing from intra-op threads, so a CPU rank uses one,
-    unless the user chose a number through ``OMP_NUM_THREADS``."""
+    distributed tests gain nothing from intra-op threads, so a rank uses one,
+    unless the user chose a number through ``OMP_NUM_THREADS``. CUDA ranks too:
+    their CPU work (building models, offloaded optimizer steps, state-dict
+    copies) started a pool of a thread per core on first use, which the leak
+    check counted after the test and replaced the pool for (31 threads on the
+    32-core GPU hosts, docs/gpu-runs.md runs 72–75)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 

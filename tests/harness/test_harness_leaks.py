@@ -4,10 +4,14 @@ a warning naming the test."""
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 
 import pytest
+import torch
+
+from harness import DistributedTest
 
 TESTS = 24
 
@@ -204,3 +208,21 @@ def test_a_one_rank_pool_returns_to_baseline(inner, groups):
             "measurable here (NVML missing, or it lists pids of another namespace)"
         )
     assert max(s[4] for s in samples) <= used + 64 * 2**20, samples
+
+
+class TestRankThreads(DistributedTest):
+    world_size = 2
+
+    def test_cpu_work_starts_no_thread_pool_on_any_rank(self) -> None:
+        """Every rank, CPU or CUDA, computes with one intra-op thread ([Note: CPU
+        threads per rank]): CPU work in a test starts no pool of threads, which the
+        leak check would count and replace the pool for (31 threads after such
+        tests on 32-core GPU hosts before)."""
+        if "OMP_NUM_THREADS" in os.environ:
+            pytest.skip("OMP_NUM_THREADS chooses the ranks' threads")
+        self.assertEqual(torch.get_num_threads(), 1)
+        before = len(os.listdir("/proc/self/task"))
+        a = torch.randn(512, 512)
+        for _ in range(3):
+            a = torch.tanh(a @ a)
+        self.assertEqual(len(os.listdir("/proc/self/task")), before)
