@@ -273,9 +273,9 @@ def _overlap(a: dict[str, object], b: dict[str, object]) -> bool:
 
 
 def test_concurrent_tests_never_share_a_gpu(inner, tmp_path: Path):
-    """Under -n 3 with two fake GPUs and ``--gpu-slots 1``: every 1- and 2-rank test
-    runs on leased GPUs (none falls back to CPU), no two leases of one GPU overlap, leases of different
-    workers do run at the same time, and a worker's pool on a set of GPUs is
+    """Under -n 3 with two fake GPUs and ``--gpu-slots 1``: every 1- and 2-rank
+    test runs on leased GPUs (none falls back to CPU), no two leases of one GPU
+    overlap, leases of different workers do run at the same time, and a worker's pool on a set of GPUs is
     reused across its leases. Each test's report names the GPUs it leased; the
     3-rank test falls back to CPU ranks, said in its report and the summary."""
     lease_dir = tmp_path / "leases"
@@ -493,7 +493,7 @@ def test_gpu_slots_auto_gives_a_gpu_one_slot_per_worker(inner, tmp_path: Path):
     assert "this one leases 3: every session sharing a --gpu-lease-dir" in refused.text
 
 
-def test_gpu_slots_auto_is_one_per_worker_up_to_four(pytestconfig: pytest.Config):
+def test_gpu_slots_auto_is_one_per_worker_up_to_four():
     """The rule itself, on the option values a worker sees."""
 
     class Config:

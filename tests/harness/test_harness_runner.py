@@ -113,17 +113,17 @@ def _assert_dying_ranks_reported(run):
     # The surviving rank either fails in the barrier (gloo's words) or, where the
     # backend does not notice (NCCL), is stopped there and shows where it waited.
     exit_code, survivor = run.report("test_exit_code").split("=== rank 0:")
-    first, rest = exit_code.split("\n", 1)
-    assert first in (
-        "rank 1 exited with exit code 3",
-        "rank 1 exited with exit code 3 (world_size=2, device=<device>, backend=<backend>)",
-    )
-    if first.endswith(")"):
-        assert survivor.startswith(" stopped after another rank failed; it was blocked here")
+    placement = "(world_size=2, device=<device>, backend=<backend>)"
+    if "failed afterwards" in exit_code:
+        header = (
+            f"rank 1 exited with exit code 3\n1 of 2 ranks failed afterwards: rank 0 {placement}\n"
+        )
     else:
-        assert rest.startswith("1 of 2 ranks failed afterwards: rank 0 (world_size=2, ")
+        header = f"rank 1 exited with exit code 3 {placement}\n"
+        assert survivor.startswith(" stopped after another rank failed; it was blocked here")
+    assert exit_code.startswith(header), exit_code
     assert_expected_inline(
-        rest.split("\n", 1)[1] if not first.endswith(")") else rest,
+        exit_code[len(header) :],
         """\
 
 === rank 1: exited with exit code 3 ===
