@@ -485,6 +485,8 @@ class FlatParamHandle:
         self.storage.force_full_precision = full_precision
         with profiler_label("FSDP::prefetch"):
             self.unshard()
+        if torch.is_inference_mode_enabled():
+            return  # the unit's pre-forward shows them ([Note: Views are made with autograd on])
         self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
         self.prefetch.move(Prefetch.SHOWN)
 

@@ -47,6 +47,17 @@ when it looks). Otherwise ``setattr`` runs, with its checks and errors. After a
 dict, where reshard's ``setattr`` found it on every unit and step before this
 path covered it (tests/fsdp/test_orig_param_names.py compares both paths).
 
+[Note: Views are made with autograd on]
+Forward's ``Tensor`` views must be autograd views of the flat parameter, or the
+gradient never reaches it: the unit's ``AccumulateGrad`` node, its
+post-backward hook and its reduce-scatter never run. A forward prefetch makes
+the next unit's views inside the current unit's forward, which the user may run
+with autograd off (a frozen trunk under ``torch.no_grad()`` before a trained
+head). So views are always made with autograd on, whatever the caller's grad
+mode, as torch's FSDP does; under ``torch.inference_mode()`` nothing can be
+made an autograd view, and the unit shows its views again at its own
+pre-forward (``FlatParamHandle.unshard_for_forward``).
+
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped
 once flattened: holding them would keep their full-size storage alive next to
@@ -332,13 +343,15 @@ class OrigParamViews:
 
     # -- the unsharded data ----------------------------------------------------------------
 
+    @torch.enable_grad()
     def show_unsharded(self, flat: Tensor, as_params: bool, phase: HandleTrainingState) -> None:
         """The names become views of the unsharded flat parameter: ``nn.Parameter``
         s when ``as_params`` (summon_full_params, state dicts), plain ``Tensor``
         views otherwise (forward and backward, so autograd reaches ``flat``).
         In backward, forward's views are shown again when they still view
         ``flat``'s memory (autograd saved them already; only a recomputed forward
-        reads the names)."""
+        reads the names). Made with autograd on (see [Note: Views are made with
+        autograd on])."""
         if (
             phase is HandleTrainingState.BACKWARD_PRE
             and not as_params
