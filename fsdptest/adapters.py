@@ -36,10 +36,10 @@ from fsdptest.implementations import Implementation
 from harness import current_device
 
 PRIVATE_NAMES: tuple[str, ...] = (
+    "COMPOSABLE_FULLY_SHARD_MISSING",
     "EXEC_ORDER_TRACER_MISSING",
     "FLAT_PARAM",
     "FSDP_PREFIX",
-    "FULLY_SHARD_MISSING",
     "FlatParamHandle",
     "FlatParamShardMetadata",
     "FlatParameter",
@@ -64,7 +64,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "_replace_by_prefix",
     "_validate_frozen_params",
     "clean_tensor_name",
-    "fully_shard",
+    "composable_fully_shard",
     "handle_fqns",
 )
 """The private names every adapter supplies (the real part, or a stand-in that skips)."""
@@ -322,8 +322,8 @@ class LocalAdapter(Adapter):
     def private_names(self) -> dict[str, Any]:
         names = _looked_up(_LOCAL_PRIVATE)
         return names | {
-            "fully_shard": importlib.import_module("fsdp._composable").fully_shard,
-            "FULLY_SHARD_MISSING": "",
+            "composable_fully_shard": importlib.import_module("fsdp._composable").fully_shard,
+            "COMPOSABLE_FULLY_SHARD_MISSING": "",
             "EXEC_ORDER_TRACER_MISSING": EXEC_ORDER_TRACER_MISSING,
             "_ExecOrderTracer": unavailable("_ExecOrderTracer", EXEC_ORDER_TRACER_MISSING),
             "SEAMS": _LOCAL_SEAMS,
@@ -439,8 +439,8 @@ class TorchAdapter(Adapter):
     def private_names(self) -> dict[str, Any]:
         names = _looked_up(_TORCH_PRIVATE)
         return names | {
-            "fully_shard": None,
-            "FULLY_SHARD_MISSING": (
+            "composable_fully_shard": None,
+            "COMPOSABLE_FULLY_SHARD_MISSING": (
                 "torch.distributed.fsdp no longer has the composable fully_shard(module, "
                 "policy=...) of FSDP1 (torch.distributed._composable.fully_shard is FSDP2, "
                 "another API)"
@@ -524,8 +524,8 @@ class ForeignAdapter(Adapter):
             "_FSDP_USE_UNSAFE_SETATTR": "FSDP_USE_UNSAFE_SETATTR",
             "FLAT_PARAM": "_flat_param",
             "FSDP_PREFIX": "_fsdp_wrapped_module.",
-            "fully_shard": None,
-            "FULLY_SHARD_MISSING": (
+            "composable_fully_shard": None,
+            "COMPOSABLE_FULLY_SHARD_MISSING": (
                 "the composable fully_shard(module, policy=...) of FSDP1 is this project's; "
                 f"the FSDP under test ({self.describe()}) is tested through its wrapper class"
             ),

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, FULLY_SHARD_MISSING, ModuleWrapPolicy, fully_shard
+from fsdptest.api import (
+    COMPOSABLE_FULLY_SHARD_MISSING,
+    FSDP,
+    ModuleWrapPolicy,
+    composable_fully_shard,
+)
 from harness import current_device
 
 
@@ -49,14 +54,14 @@ class TestFullyShardIsTheWrapperWithOrigParams(FSDPTest):
 
     def setUp(self) -> None:
         super().setUp()
-        if fully_shard is None:
-            pytest.skip(FULLY_SHARD_MISSING)
+        if composable_fully_shard is None:
+            pytest.skip(COMPOSABLE_FULLY_SHARD_MISSING)
 
     def test_defaults_train_as_torchs_wrapper(self) -> None:
         import torch.distributed.fsdp as torch_fsdp
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
-        ours = fully_shard(_module(self.rank), policy=ModuleWrapPolicy({Block}))
+        ours = composable_fully_shard(_module(self.rank), policy=ModuleWrapPolicy({Block}))
         reference = torch_fsdp.FullyShardedDataParallel(
             _module(self.rank),
             auto_wrap_policy=TorchModuleWrapPolicy({Block}),

@@ -38,15 +38,15 @@ from torch.torch_version import TorchVersion
 from fsdptest import FSDPTest
 from fsdptest.api import (
     _FSDP_USE_FULL_PREC_IN_EVAL,
+    COMPOSABLE_FULLY_SHARD_MISSING,
     FSDP,
-    FULLY_SHARD_MISSING,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ModuleWrapPolicy,
     ShardedGradScaler,
     ShardingStrategy,
-    fully_shard,
+    composable_fully_shard,
     size_based_auto_wrap_policy,
 )
 from fsdptest.interface import DeviceInitMode, FSDPInitMode
@@ -276,8 +276,8 @@ class TestFSDPMixedPrecision(FSDPTest):
                 self.device
             ),
         )
-        fully_shard(model[0], *fsdp_args, **fsdp_kwargs)
-        fully_shard(model, *fsdp_args, **fsdp_kwargs)
+        composable_fully_shard(model[0], *fsdp_args, **fsdp_kwargs)
+        composable_fully_shard(model, *fsdp_args, **fsdp_kwargs)
         return model
 
     def _get_simple_model(
@@ -286,8 +286,8 @@ class TestFSDPMixedPrecision(FSDPTest):
         return FSDP(LinearMixedPrecision(param_dtype).to(self.device), *fsdp_args, **fsdp_kwargs)
 
     def _skip_if_composable_missing(self, use_composable: bool) -> None:
-        if use_composable and fully_shard is None:
-            pytest.skip(FULLY_SHARD_MISSING)
+        if use_composable and composable_fully_shard is None:
+            pytest.skip(COMPOSABLE_FULLY_SHARD_MISSING)
 
     def _validate_no_mp_shard(self, fsdp_model: nn.Module) -> None:
         """Validates that no mixed precision ``_mp_shard`` was allocated."""
@@ -786,7 +786,7 @@ class TestFSDPMixedPrecisionSharded(TestFSDPMixedPrecision):
         )
         if use_composable:
             auto_wrap_policy = ModuleWrapPolicy({TransformerEncoderLayer, TransformerDecoderLayer})
-            fully_shard(model, policy=auto_wrap_policy, mixed_precision=mp_config)
+            composable_fully_shard(model, policy=auto_wrap_policy, mixed_precision=mp_config)
         return model
 
     def test_full_precision_in_eval_buffers(self) -> None:
