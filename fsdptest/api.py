@@ -1,5 +1,5 @@
 """The FSDP API under test: this project's ``fsdp``, ``torch.distributed.fsdp``, or any
-module exposing the FSDP1 API.
+module exposing the FSDP1 API, the FSDP2 API (``fully_shard``), or both.
 
 Suites and models import every FSDP name from here. ``--fsdp-impl`` (default
 ``local``) is exported by the plugin as ``FSDP_HARNESS_IMPL`` before any test
@@ -17,7 +17,16 @@ name the module lacks is absent here: importing it fails with
 ``MissingFromImplementation`` (an ``ImportError``) naming the implementation, the
 name and where it was looked for, so a suite that needs it fails at collection
 with that message. ``fsdptest`` itself needs ``REQUIRED``: without them importing
-this module fails at once.
+this module fails at once, unless the implementation provides FSDP2 and no
+``FullyShardedDataParallel`` (an FSDP2-only implementation): then every FSDP1 name
+it lacks is a stand-in that skips the test using it, naming it.
+
+The FSDP2 names (``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
+``OffloadPolicy``, ``CPUOffloadPolicy``, ``register_fsdp_forward_method``,
+``UnshardHandle``) are the implementation's when it provides FSDP2, else stand-ins
+that skip (``FSDP2`` says which, and why: [Note: Which implementations provide
+FSDP2] in ``fsdptest.fsdp2``). ``FSDP2_SEAMS`` patches its seams ([Note: FSDP2
+seams]).
 
 The private names (``SEAMS``, ``FlatParamHandle``, ``HandleTrainingState``,
 ``_get_training_state``, the chunked sharded-tensor/DTensor helpers of
@@ -63,7 +72,9 @@ from fsdptest.adapters import (
     UnavailablePart,
     adapter_for,
     checked_private_names,
+    unavailable,
 )
+from fsdptest.fsdp2 import FSDP2_NAMES, Fsdp2API, Fsdp2Seams
 from fsdptest.implementations import Implementation, resolve
 from harness import current_device
 
@@ -148,6 +159,19 @@ class PublicAPI:
             if name not in self.found:
                 raise self.missing(name)
 
+    def fsdp1_stand_ins(self) -> dict[str, Any]:
+        """For an FSDP2-only implementation: a stand-in that skips for every FSDP1
+        name it lacks (see the module note)."""
+        return {
+            name: unavailable(
+                name,
+                f"needs {name} of the FSDP1 API, which the FSDP under test "
+                f"({self.impl.describe()}) does not have: it provides FSDP2 (fully_shard) only",
+            )
+            for name in self.looked_in
+            if name not in self.found
+        }
+
     def missing(self, name: str) -> MissingFromImplementation:
         return MissingFromImplementation(
             f"the FSDP under test ({self.impl.describe()}, {self.impl.origin}) has no "
@@ -165,8 +189,15 @@ def _defines(place: ModuleType, name: str) -> bool:
 IMPLEMENTATION: Implementation = resolve(os.environ.get(IMPL_ENV, "local"))
 IMPL: str = IMPLEMENTATION.kind
 _PUBLIC = PublicAPI(IMPLEMENTATION)
-_PUBLIC.require(REQUIRED)
-globals().update(_PUBLIC.found)
+FSDP2: Fsdp2API = Fsdp2API(IMPLEMENTATION, importlib.import_module(IMPLEMENTATION.module))
+FSDP2_SEAMS: Fsdp2Seams = Fsdp2Seams(IMPLEMENTATION)
+_FSDP1_STAND_INS: dict[str, Any] = {}
+if FSDP2.provided and "FullyShardedDataParallel" not in _PUBLIC.found:
+    _FSDP1_STAND_INS = _PUBLIC.fsdp1_stand_ins()
+else:
+    _PUBLIC.require(REQUIRED)
+globals().update(_PUBLIC.found | _FSDP1_STAND_INS)
+globals().update(FSDP2.names())
 
 
 def provides(name: str) -> bool:
@@ -180,7 +211,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-ADAPTER: Adapter = adapter_for(IMPLEMENTATION, _PUBLIC.found)
+ADAPTER: Adapter = adapter_for(IMPLEMENTATION, _PUBLIC.found | _FSDP1_STAND_INS)
 globals().update(ADAPTER.public_overrides())
 globals().update(checked_private_names(ADAPTER))
 
@@ -206,8 +237,11 @@ def assert_torch_refuses_cpu_offload(
 __all__ = [
     *(name for names in PUBLIC_NAMES.values() for name in names),
     *PRIVATE_NAMES,
+    *FSDP2_NAMES,
     "ADAPTER",
     "FSDP",
+    "FSDP2",
+    "FSDP2_SEAMS",
     "IMPL",
     "IMPLEMENTATION",
     "PUBLIC_NAMES",

@@ -17,7 +17,10 @@ in fsdptest.properties.search); hypothesis is imported only where a property
 test is collected or a profile of ours is asked for. For the differential
 conformance search (``fsdptest.conformance``) it adds ``--fsdp-reference`` and
 gives the ``conformance_search`` and ``replayed_scenario`` fixtures (imported
-where they are used, as the property search).
+where they are used, as the property search). Tests that need FSDP2 are skipped
+before any rank starts where the implementation lacks it, and a session whose
+only outcome is such skips fails ([Note: A session of FSDP2 skips is not green]
+in ``fsdptest._fsdp2_gate``).
 
 The runner's hooks it implements are optional: with ``-p no:harness.plugin`` the
 runner and its hook specifications are gone, and this plugin still loads.
@@ -38,6 +41,7 @@ from fsdptest._constants import (
     IMPL_ENV,
     TORCH_CPU_OFFLOAD_SKIP,
 )
+from fsdptest._fsdp2_gate import FSDP2_MARKER_HELP, Fsdp2Gate
 from fsdptest.implementations import (
     ENTRY_POINT_GROUP,
     Implementation,
@@ -129,6 +133,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(error).replace("--fsdp-impl", option, 1)) from None
     os.environ[IMPL_ENV] = name
     config.addinivalue_line("markers", CPU_OFFLOAD_ASSERTED_HELP)
+    config.addinivalue_line("markers", FSDP2_MARKER_HELP)
+    config.pluginmanager.register(Fsdp2Gate(is_worker=hasattr(config, "workerinput")))
     examples = config.getoption("property_examples")
     if examples is not None and examples < 1:
         raise pytest.UsageError(f"--property-examples needs at least 1 example, got {examples}")
