@@ -25,8 +25,12 @@ from the seam's name (``SEAM_NAMES``) to a dotted path:
 
 - ``all_gather``, ``reduce_scatter``, ``all_reduce``: the collective function it
   calls (looked up there at call time). Upstream's replacements forward what they
-  get to torch's function, so the implementation calls it with torch.distributed's
-  arguments: output and input positional, ``group`` and ``op`` as keywords.
+  get to torch's function (``all_gather_single(output, input, group=...)``,
+  ``reduce_scatter_single(output, input, op=..., group=...)``,
+  ``all_reduce(tensor, op=..., group=...)``), so the patch hands them the call in
+  that form: the tensors positional (output and input; all-reduce's one tensor),
+  every other argument as a keyword named as the function names it. The function
+  names them as torch does (``group``, ``op``).
 - ``unshard``, ``reshard``, ``post_backward``: methods of its parameter-group class
   (one group per ``fully_shard`` call), called as ``(self, *args)``.
 - ``register_post_backward_hook_backward``: the ``backward`` of the autograd
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
@@ -228,12 +233,19 @@ class Fsdp2Seams:
     @contextlib.contextmanager
     def patch(self, name: str, new: Callable[..., Any]) -> Iterator[None]:
         """Replaces seam ``name`` by ``new`` for the ``with`` block."""
-        targets = _targets(self.path(name))
+        path = self.path(name)
+        targets = _targets(path)
         saved = [(owner, attr, _raw(owner, attr)) for owner, attr in targets]
         guard = threading.local()
         for owner, attr, _ in saved:
             original = getattr(owner, attr)
-            setattr(owner, attr, new if len(saved) == 1 else _guarded(new, original, guard))
+            if len(saved) > 1:
+                replacement = _guarded(new, original, guard)
+            elif name in _TENSORS_FIRST and not path.startswith("torch.distributed."):
+                replacement = _as_torch_call(new, original, _TENSORS_FIRST[name])
+            else:
+                replacement = new
+            setattr(owner, attr, replacement)
         try:
             yield
         finally:
@@ -242,6 +254,25 @@ class Fsdp2Seams:
 
 
 _ABSENT = object()
+_TENSORS_FIRST = {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
+"""How many leading tensors a collective seam takes positionally (see [Note: FSDP2 seams])."""
+
+
+def _as_torch_call(
+    new: Callable[..., Any], original: Callable[..., Any], tensors: int
+) -> Callable[..., Any]:
+    """``new`` at an implementation's own collective function: called with the
+    leading tensors positional and every other argument as a keyword, as torch's
+    function is (see [Note: FSDP2 seams])."""
+    signature = inspect.signature(original)
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs).arguments
+        names = list(arguments)
+        leading = [arguments[n] for n in names[:tensors]]
+        return new(*leading, **{n: arguments[n] for n in names[tensors:]})
+
+    return patched
 
 
 def _targets(path: str) -> list[tuple[Any, str]]:

@@ -9,11 +9,23 @@ test's (``fsdptest.api.current_device``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from fsdptest.api import FSDP, CPUOffload, current_device, wrap
+from fsdptest.api import FSDP, CPUOffload, current_device, fully_shard, wrap
 from harness.seeding import manual_seed
 
 _DETERMINISTIC_SEED = 0
@@ -59,7 +71,8 @@ class MLP(nn.Module):
 class MLPStack(nn.Sequential):
     """``MLP(d, dim_multiplier=3)``, ``MLP(d)``, ``MLP(d, dim_multiplier=3)`` (uneven
     hidden sizes), then a bias-free ``LayerNorm(d)`` when ``with_seq_parallel``.
-    Upstream's ``parallelize`` (tensor parallel plus FSDP2) is not provided."""
+    ``parallelize`` applies tensor parallelism over a TP mesh, then the FSDP2
+    ``fully_shard`` of the implementation under test over a data-parallel mesh."""
 
     with_seq_parallel: bool
 
@@ -73,6 +86,43 @@ class MLPStack(nn.Sequential):
             layers.append(nn.LayerNorm(mlp_dim, bias=False))
         super().__init__(*layers)
         self.with_seq_parallel = with_seq_parallel
+
+    def parallelize(
+        self,
+        tp_mesh: DeviceMesh,
+        dp_mesh: DeviceMesh,
+        use_activation_checkpointing: bool,
+        **fsdp_kwargs: Any,
+    ) -> MLPStack:
+        """Upstream's plan: each MLP's ``in_proj`` column-wise and ``out_proj`` row-wise
+        over ``tp_mesh`` (activations kept as DTensors between them; the last output
+        sharded on dim 1 with sequence parallelism, whose ``LayerNorm`` is then
+        sequence-parallel), optional activation checkpointing per MLP, and
+        ``fully_shard`` over ``dp_mesh`` on each MLP and on the stack."""
+        parallelize_module(self, device_mesh=tp_mesh, parallelize_plan=self._tp_plan())
+        for module in self:
+            if isinstance(module, nn.LayerNorm):
+                continue
+            if use_activation_checkpointing:
+                checkpoint(module)
+            fully_shard(module, mesh=dp_mesh, **fsdp_kwargs)
+        fully_shard(self, mesh=dp_mesh, **fsdp_kwargs)
+        return self
+
+    def _tp_plan(self) -> dict[str, ParallelStyle]:
+        last_out = (
+            RowwiseParallel(output_layouts=Shard(1))
+            if self.with_seq_parallel
+            else RowwiseParallel()
+        )
+        plan: dict[str, ParallelStyle] = {}
+        for index in range(3):
+            plan[f"{index}.in_proj"] = ColwiseParallel(use_local_output=False)
+            plan[f"{index}.out_proj"] = RowwiseParallel(use_local_output=False)
+        plan["2.out_proj"] = last_out
+        if self.with_seq_parallel:
+            plan["3"] = SequenceParallel(sequence_dim=1)
+        return plan
 
 
 class DoubleLinear(nn.Module):

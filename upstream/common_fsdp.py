@@ -1,6 +1,8 @@
 """``torch.testing._internal.common_fsdp`` for this harness: ``FSDPTest``, the
 init modes, the test models and the helpers upstream's FSDP tests import, on the
-FSDP under test (``fsdptest.api``: ours, or torch's with ``--fsdp-impl torch``).
+FSDP under test (``fsdptest.api``: ours, or torch's with ``--fsdp-impl torch``),
+with the FSDP2 helpers (``patch_*``, ``check_sharded_parity``,
+``compiled_fsdp_test``: ``upstream._fsdp2_helpers``; ``MLPStack.parallelize``).
 
 [Note: Upstream's device init modes]
 Upstream names the modes ``DEVICEInitMode.DEVICE_BEFORE/AFTER/NEVER`` (older
@@ -56,6 +58,19 @@ from models import (
     SkipModel,
     SkipModule,
     TransformerWithSharedParams,
+)
+from upstream._fsdp2_helpers import (
+    FullyShardMode,
+    check_sharded_parity,
+    compiled_fsdp_test,
+    patch_all_gather,
+    patch_all_reduce,
+    patch_post_backward,
+    patch_reduce_scatter,
+    patch_register_post_backward_hook_backward,
+    patch_reshard,
+    patch_unshard,
+    reduce_scatter_with_assert,
 )
 from upstream.common_device_type import get_devtype
 from upstream.common_distributed import MultiProcessTestCase
@@ -294,7 +309,11 @@ class FSDPTestContinuous(FSDPTest):
 
 class FSDPTestMultiThread(FSDPTest):
     """Upstream runs these ranks as threads over a threaded process group; here they
-    are processes with a real group, like every ``FSDPTest``."""
+    are processes with a real group, like every ``FSDPTest`` (pooled and reused).
+    ``world_size`` is ``--world-size`` unless the class sets one (upstream's was the
+    device count); upstream's patches act on the process's own FSDP, so they need
+    no barriers ([Note: Upstream's FSDP2 patches on any implementation] in
+    ``upstream._fsdp2_helpers``)."""
 
 
 __all__ = [
@@ -312,6 +331,7 @@ __all__ = [
     "FSDPTestContinuous",
     "FSDPTestModel",
     "FSDPTestMultiThread",
+    "FullyShardMode",
     "MLPStack",
     "MixtureOfExperts",
     "ModuleWithDelay",
@@ -329,7 +349,17 @@ __all__ = [
     "_move_to_device",
     "_zero_model",
     "as_device_init_mode",
+    "check_sharded_parity",
+    "compiled_fsdp_test",
     "get_devtype",
     "get_full_params",
+    "patch_all_gather",
+    "patch_all_reduce",
+    "patch_post_backward",
+    "patch_reduce_scatter",
+    "patch_register_post_backward_hook_backward",
+    "patch_reshard",
+    "patch_unshard",
+    "reduce_scatter_with_assert",
     "subtest_name",
 ]

@@ -1,0 +1,184 @@
+"""What the FSDP2 suites share: the base class, tiny models, meshes, seeded
+batches and the lockstep parity check against a replicated reference.
+
+[Note: FSDP2 parity recipe]
+The reference is a deep copy of the model taken before ``fully_shard`` (so built
+from the same seed), replicated on every rank. Each rank feeds its own batch
+(seeded by rank and step) to both models; after the backward the reference's
+gradients are summed over the data-parallel ranks and divided by their number,
+which is what DDP does (gloo has no ``AVG``). The losses must match on every
+rank and step, and ``check_sharded_parity`` compares every parameter's and
+gradient's local shard with the reference's tensor distributed with the same
+mesh and placements, after the backward and after the optimizer step. The
+comparison uses ``assertEqual``'s fp32 tolerances (rtol 1.3e-6, atol 1e-5):
+the sharded gradient is summed in the reduce-scatter's order and divided before
+or after the sum (FSDP2's pre- and post-divide factors), the reference's in the
+all-reduce's order, so the last bits may differ. Optimizers alternate
+``zero_grad(set_to_none=True/False)`` between steps. A bug that drops, doubles or
+misroutes a gradient, skips an unshard or trains the wrong shard moves a loss or
+a shard far outside these tolerances.
+
+Models are tiny (widths of 4 to 16) and runs are short (2 or 3 steps): the
+suites run in CI on two CPU cores, and a configuration is a subtest of one test.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fsdptest import FSDPTest
+from fsdptest.api import FSDPModule, fully_shard
+from harness import current_device
+from models import MLP
+from upstream.common_fsdp import check_sharded_parity
+
+LR = 1e-2
+STEPS = 2
+
+
+@pytest.mark.fsdp2
+class FSDP2Test(FSDPTest):
+    """A distributed test of the FSDP2 API of the implementation under test (marked
+    ``fsdp2``: skipped, naming what is missing, where the implementation lacks it)."""
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def mesh(self) -> DeviceMesh:
+        """A 1-D mesh over every rank."""
+        return init_device_mesh(self.device_type, (self.world_size,))
+
+    def hsdp_mesh(self, replicas: int) -> DeviceMesh:
+        """A 2-D mesh of ``replicas`` replicas, each sharded over the rest of the ranks."""
+        shape = (replicas, self.world_size // replicas)
+        return init_device_mesh(self.device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def hsdp_replica_counts(world_size: int) -> list[int]:
+    """The replica counts whose 2-D mesh has this world size: every divisor, so a
+    world size of 4 gives 1x4, 2x2 and 4x1, a prime one 1xW and Wx1."""
+    return [r for r in range(1, world_size + 1) if world_size % r == 0]
+
+
+def batch(rank: int, step: int, *shape: int, device: torch.device | None = None) -> torch.Tensor:
+    """A batch seeded by rank and step (each rank trains on its own data)."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(*shape, generator=generator).to(device or current_device())
+
+
+def mlp_stack(dim: int = 8, depth: int = 3, seed: int = 0, **mlp_kwargs: Any) -> nn.Sequential:
+    """``depth`` upstream ``MLP(dim)`` s in a ``Sequential``, on the rank's device."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*(MLP(dim, **mlp_kwargs) for _ in range(depth))).to(current_device())
+
+
+def shard_each(model: nn.Module, children: Iterable[nn.Module] | None = None, **kwargs: Any) -> Any:
+    """``fully_shard`` on each child (or those given), then on the root."""
+    for child in model.children() if children is None else children:
+        fully_shard(child, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """The mean of every rank's gradients, as DDP computes it (see [Note: FSDP2
+    parity recipe]), in one all-reduce of the gradients laid end to end."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective), or the tensor itself."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class Lockstep:
+    """A sharded model and its replicated reference trained in lockstep (see
+    [Note: FSDP2 parity recipe])."""
+
+    case: FSDPTest
+    model: nn.Module
+    reference: nn.Module
+    optims: tuple[torch.optim.Optimizer, torch.optim.Optimizer]
+    group: dist.ProcessGroup | None
+    loss_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def __init__(
+        self,
+        case: FSDPTest,
+        model: nn.Module,
+        reference: nn.Module,
+        *,
+        optim: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.case = case
+        self.model = model
+        self.reference = reference
+        self.optims = (optim(model.parameters(), lr=LR), optim(reference.parameters(), lr=LR))
+        self.group = group
+        self.loss_fn = lambda out: out.sum()
+
+    def backward(self, x: torch.Tensor, check: bool = True) -> None:
+        """One forward and backward of both; the reference's gradients averaged."""
+        losses = [self.loss_fn(m(x)) for m in (self.model, self.reference)]
+        for loss in losses:
+            loss.backward()
+        average_gradients(self.reference, self.group)
+        if check:
+            self.case.assertEqual(losses[0], losses[1], msg="loss")
+            check_sharded_parity(self.case, self.reference, self.model)
+
+    def step(self, step: int) -> None:
+        for optim in self.optims:
+            optim.step()
+            optim.zero_grad(set_to_none=step % 2 == 0)
+
+    def train(self, steps: int, shape: Sequence[int]) -> None:
+        """``steps`` steps, each rank on its own batch of ``shape``; checked every step."""
+        for step in range(steps):
+            self.backward(batch(self.case.rank, step, *shape))
+            self.step(step)
+            check_sharded_parity(self.case, self.reference, self.model)
+
+
+def lockstep(
+    case: FSDPTest,
+    build: Callable[[], nn.Module],
+    shard: Callable[[nn.Module], object],
+    **kwargs: Any,
+) -> Lockstep:
+    """``build()``'s model sharded by ``shard`` beside a deep copy of it."""
+    model = build()
+    reference = copy.deepcopy(model)
+    shard(model)
+    return Lockstep(case, model, reference, **kwargs)
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to, in ``modules()`` order."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def sharded_local_numel(model: nn.Module) -> int:
+    return sum(p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor))
+
+
+def assert_all_dtensors(case: FSDPTest, tensors: Iterable[torch.Tensor], what: str) -> None:
+    for i, t in enumerate(tensors):
+        case.assertIsInstance(t, DTensor, f"{what}[{i}]")
