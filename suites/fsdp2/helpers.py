@@ -24,9 +24,10 @@ suites run in CI on two CPU cores, and a configuration is a subtest of one test.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDPModule, fully_shard
+from fsdptest.api import FSDP2_SEAMS, FSDPModule, fully_shard
 from harness import current_device
 from models import MLP
 from upstream.common_fsdp import check_sharded_parity
@@ -182,3 +183,61 @@ def sharded_local_numel(model: nn.Module) -> int:
 def assert_all_dtensors(case: FSDPTest, tensors: Iterable[torch.Tensor], what: str) -> None:
     for i, t in enumerate(tensors):
         case.assertIsInstance(t, DTensor, f"{what}[{i}]")
+
+
+COLLECTIVE_SEAMS: dict[str, tuple[str, int]] = {
+    "all_gather": ("input", 1),
+    "reduce_scatter": ("input", 1),
+    "all_reduce": ("tensor", 0),
+}
+"""Each collective seam's input: its keyword, and its position when passed positionally."""
+
+
+class SeamCall(NamedTuple):
+    seam: str
+    dtype: torch.dtype
+    numel: int
+    group_size: int
+
+
+class CollectiveLog:
+    """The all-gathers, reduce-scatters and all-reduces of the FSDP under test, in
+    order, seen through its FSDP2 seams (the patches upstream's tests use)."""
+
+    calls: list[SeamCall | str]
+
+    def __init__(self, seams: Iterable[str] = tuple(COLLECTIVE_SEAMS)) -> None:
+        self.calls = []
+        self._seams = tuple(seams)
+        self._stack = contextlib.ExitStack()
+
+    def count(self, seam: str) -> int:
+        return len(self.of(seam))
+
+    def of(self, seam: str) -> list[SeamCall]:
+        return [c for c in self.calls if isinstance(c, SeamCall) and c.seam == seam]
+
+    def mark(self, event: str) -> None:
+        """Notes a point of the program between the collectives."""
+        self.calls.append(event)
+
+    def _recording(self, seam: str) -> Callable[..., Any]:
+        original = FSDP2_SEAMS.original(seam)
+        keyword, position = COLLECTIVE_SEAMS[seam]
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            tensor = kwargs[keyword] if keyword in kwargs else args[position]
+            group = kwargs.get("group")
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            self.calls.append(SeamCall(seam, tensor.dtype, tensor.numel(), size))
+            return original(*args, **kwargs)
+
+        return record
+
+    def __enter__(self) -> CollectiveLog:
+        for seam in self._seams:
+            self._stack.enter_context(FSDP2_SEAMS.patch(seam, self._recording(seam)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
