@@ -483,11 +483,10 @@ class FlatParamHandle:
         at hand already (``NO_SHARD``, kept since forward), as torch's does."""
         self.prefetch.move(Prefetch.GATHERED)
         self.storage.force_full_precision = full_precision
-        with profiler_label("FSDP::prefetch"):
+        # Not as inference tensors: see [Note: Views are made with autograd on].
+        with profiler_label("FSDP::prefetch"), torch.inference_mode(False):
             self.unshard()
-        if torch.is_inference_mode_enabled():
-            return  # the unit's pre-forward shows them ([Note: Views are made with autograd on])
-        self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
+            self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
         self.prefetch.move(Prefetch.SHOWN)
 
     def unshard_ahead(self, full_precision: bool) -> torch.cuda.Event | None:

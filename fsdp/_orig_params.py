@@ -54,9 +54,11 @@ post-backward hook and its reduce-scatter never run. A forward prefetch makes
 the next unit's views inside the current unit's forward, which the user may run
 with autograd off (a frozen trunk under ``torch.no_grad()`` before a trained
 head). So views are always made with autograd on, whatever the caller's grad
-mode, as torch's FSDP does; under ``torch.inference_mode()`` nothing can be
-made an autograd view, and the unit shows its views again at its own
-pre-forward (``FlatParamHandle.unshard_for_forward``).
+mode, as torch's FSDP does. A forward prefetch inside ``torch.inference_mode()``
+also leaves inference mode for the unshard and the views
+(``FlatParamHandle.prefetch_for_forward``): made there, the unsharded data
+would be inference tensors, of which nothing can be an autograd view, and the
+prefetched unit's gradient would be lost (torch's FSDP loses it).
 
 [Note: No reference to the original parameters without use_orig_params]
 With ``use_orig_params=False`` the original ``nn.Parameter`` objects are dropped

@@ -162,6 +162,18 @@ class KnownDefects:
     """suites/test_fsdp_dtensor_state_dict.py."""
     hybrid_sharded_state_dicts_across_wrappings: bool = False
     """Refusals and wrong loads of suites/test_hsdp_dtensor_state_dict.py."""
+    drops_inference_mode_prefetched_grads: bool = False
+    """A unit forward-prefetched inside ``torch.inference_mode()`` gets no gradient
+    in the backward that follows (suites/test_fsdp_freezing_weights.py)."""
+    zero_grad_between_forward_and_backward_without_reshard: bool = False
+    """``SHARD_GRAD_OP``/``_HYBRID_SHARD_ZERO2`` with ``use_orig_params``:
+    ``optim.zero_grad()`` between forward and backward, and the third step's
+    loss differs from DDP's (suites/test_fsdp_freezing_weights.py)."""
+    prefetched_unit_without_backward_hides_params: bool = False
+    """``NO_SHARD`` with ``use_orig_params`` and a backward prefetch: a unit whose
+    output was detached (its backward never runs) is unsharded by the prefetch and
+    keeps ``Tensor`` views, so its parameters vanish from ``parameters()``
+    (suites/test_fsdp_freezing_weights.py)."""
     tp_optim_state_shapes: bool = False
     """Optimizer state dicts of tensor-parallel parameters
     (suites/test_fsdp_tp_integration.py, its module note)."""

@@ -9,6 +9,14 @@ only the old names. Torch's FSDP calls whichever its version has, and our FSDP
 So every patch here replaces *every* name present for a collective, and a
 reentrancy guard (one per patch, so patches stack) makes a call that goes
 through two patched names (old name -> new name) count and dispatch once.
+
+[Note: Coalesced broadcasts]
+Torch's FSDP (``sync_module_states``) and DDP's constructor broadcast a
+module's states through ``dist._broadcast_coalesced(group, tensors,
+bucket_size, src)``, which never calls ``dist.broadcast``: it flattens the
+tensors into buckets in C++. ``Collective.BROADCAST`` patches that name too,
+and the recorder records such a call as one broadcast per tensor, in order:
+which tensors travel from which rank is what a user sees, the bucketing is not.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class Collective(enum.Enum):
         "reduce_scatter",
     )
     ALL_REDUCE = ("all_reduce",)
+    BROADCAST = ("broadcast", "_broadcast_coalesced")
 
     def names(self) -> list[str]:
         return [name for name in self.value if hasattr(dist, name)]
@@ -132,6 +141,16 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch
     return out_numel, inp
 
 
+def _each_operand(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, torch.Tensor]]:
+    """(output numel, input tensor) of each collective a call stands for: one per
+    tensor for a coalesced broadcast (see [Note: Coalesced broadcasts]), else
+    ``_operands``' one (none for a call without tensors)."""
+    if len(args) > 1 and isinstance(args[0], dist.ProcessGroup) and isinstance(args[1], list):
+        return [(t.numel(), t) for t in args[1]]
+    operands = _operands(args, kwargs)
+    return [] if operands is None else [operands]
+
+
 def _group(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.ProcessGroup:
     group = kwargs.get("group")
     if group is None:
@@ -140,7 +159,8 @@ def _group(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dist.ProcessGroup:
 
 
 class CollectiveRecorder:
-    """Records every all-gather, reduce-scatter and all-reduce, in call order.
+    """Records every all-gather, reduce-scatter, all-reduce and broadcast, in
+    call order.
 
     See ``_operands`` for what counts as input and output.
     """
@@ -155,11 +175,9 @@ class CollectiveRecorder:
 
     def _handler(self, kind: Collective) -> Callable[..., Any]:
         def record(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            operands = _operands(args, kwargs)
-            if operands is not None:
-                out_numel, inp = operands
-                group = _group(args, kwargs)
-                ranks = tuple(dist.get_process_group_ranks(group))
+            group = _group(args, kwargs)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            for out_numel, inp in _each_operand(args, kwargs):
                 call = CollectiveCall(kind, inp.dtype, inp.numel(), out_numel, len(ranks), ranks)
                 self.calls.append(call)
             return orig(*args, **kwargs)

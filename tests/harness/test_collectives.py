@@ -83,13 +83,38 @@ class TestCollectivePatches(FSDPTest):
         self.assertEqual(len(recorder.of(Collective.REDUCE_SCATTER)), len(names))
         self.assertEqual(out, torch.full((2,), float(self.world_size), device=self.device))
 
+    def test_recorder_sees_coalesced_broadcasts(self):
+        """DDP's constructor broadcasts the module's states through
+        ``dist._broadcast_coalesced`` (as torch's FSDP does for
+        ``sync_module_states``): one recorded broadcast per tensor, in order."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        with CollectiveRecorder((Collective.BROADCAST,)) as recorder:
+            DDP(module, device_ids=ids)
+        states = [*module.parameters(), *module.buffers()]
+        calls = recorder.of(Collective.BROADCAST)
+        self.assertEqual([c.input_numel for c in calls], [t.numel() for t in states])
+        self.assertEqual([c.input_dtype for c in calls], [t.dtype for t in states])
+        self.assertEqual({c.group_size for c in calls}, {self.world_size})
+
+    def test_recorder_sees_plain_broadcasts(self):
+        t = torch.arange(3.0, device=self.device) * (self.rank + 1)
+        with CollectiveRecorder((Collective.BROADCAST,)) as recorder:
+            dist.broadcast(t, src=0)
+        self.assertEqual(len(recorder.calls), 1)
+        self.assertEqual(t, torch.arange(3.0, device=self.device))
+
     def test_patch_is_restored(self):
         before = {name: getattr(dist, name) for name in Collective.ALL_GATHER.names()}
+        coalesced = dist._broadcast_coalesced
         with patch_reduce_scatter(functools.partial(current(Collective.REDUCE_SCATTER))):
             pass
         with CollectiveRecorder():
             pass
         self.assertEqual({n: getattr(dist, n) for n in before}, before)
+        self.assertIs(dist._broadcast_coalesced, coalesced)
 
 
 class TestSeedDtypeCheckSeesOurReduceScatter(FSDPTest):
