@@ -44,12 +44,11 @@ def all_gather(output: Tensor, input: Tensor, group: Any) -> None:
         _newest("all_gather_single", "all_gather_into_tensor")(output, input, group=group)
 
 
-def reduce_scatter(output: Tensor, input: Tensor, group: Any) -> None:
-    """Sums ``input`` over ranks; rank r receives chunk r in ``output``."""
+def reduce_scatter(output: Tensor, input: Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> None:
+    """Reduces ``input`` over ranks with ``op`` (a sum unless told); rank r
+    receives chunk r in ``output``."""
     with profiler_label("FSDP::reduce_scatter"):
-        _newest("reduce_scatter_single", "reduce_scatter_tensor")(
-            output, input, op=dist.ReduceOp.SUM, group=group
-        )
+        _newest("reduce_scatter_single", "reduce_scatter_tensor")(output, input, op=op, group=group)
 
 
 def all_reduce(tensor: Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> None:

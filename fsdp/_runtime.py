@@ -56,7 +56,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp import _registry
 from fsdp._common import (
@@ -75,7 +74,7 @@ from fsdp._ignored import Ignored
 from fsdp._lifecycle import Lifecycle
 from fsdp._reduce import CommHook, CommHookSpec
 from fsdp._streams import CommStreams
-from fsdp._utils import _apply_to_tensors
+from fsdp._utils import _apply_to_tensors, cast_floats, to_device
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -166,31 +165,6 @@ def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
         prefix = clean_tensor_name(f"{name}.") if name else ""
         fqns[state.handle] = [prefix + fqn for fqn in state.handle.fqns]
     return fqns
-
-
-def _cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """Casts floating-point tensors (never integer ones, e.g. token ids)."""
-
-    def cast(t: Tensor) -> Tensor:
-        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
-
-    cast_args, cast_kwargs = _apply_to_tensors(cast, (args, kwargs))
-    return cast_args, cast_kwargs
-
-
-def _to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """See [Note: Forward inputs keep their identity]."""
-
-    def move(tree: Any) -> Any:
-        leaves, spec = tree_flatten(tree)
-        moved = [
-            x.to(device) if isinstance(x, Tensor) and x.device != device else x for x in leaves
-        ]
-        if all(new is old for new, old in zip(moved, leaves)):
-            return tree
-        return tree_unflatten(moved, spec)
-
-    return move(args), move(kwargs)
 
 
 class FSDPState:
@@ -389,11 +363,11 @@ class FSDPState:
                 state._cast_buffers(state.full_precision_now())
                 if state.handle is not None:
                     state.handle.begin_root_forward(self.config.forward_prefetch)
-            args, kwargs = _to_device(self.compute_device, args, kwargs)
+            args, kwargs = to_device(self.compute_device, args, kwargs)
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None and self.config.mixed_precision.cast_root_forward_inputs:
                 if not self.full_precision_now():
-                    args, kwargs = _cast_floats(dtype, args, kwargs)
+                    args, kwargs = cast_floats(dtype, args, kwargs)
         return args, kwargs
 
     @_eager
@@ -401,7 +375,7 @@ class FSDPState:
         full_precision = self.full_precision_now()
         mp = self.config.mixed_precision
         if mp.cast_forward_inputs and mp.param_dtype is not None and not full_precision:
-            args, kwargs = _cast_floats(mp.param_dtype, args, kwargs)
+            args, kwargs = cast_floats(mp.param_dtype, args, kwargs)
         handle = self.handle
         if handle is None or handle.recomputing_in_backward():
             return args, kwargs

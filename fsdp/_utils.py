@@ -19,8 +19,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def _apply_to_tensors(fn: Callable[[Tensor], Any], container: Any) -> Any:
@@ -69,6 +71,35 @@ def _same(new: list[Any], old: Any) -> bool:
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_asdict") and hasattr(value, "_fields")
+
+
+def cast_floats(dtype: torch.dtype, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Casts the floating-point tensors of ``args`` and ``kwargs`` to ``dtype``
+    (never integer ones, e.g. token ids): mixed precision's input cast, shared by
+    the wrapper and ``fully_shard``."""
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+
+    cast_args, cast_kwargs = _apply_to_tensors(cast, (args, kwargs))
+    return cast_args, cast_kwargs
+
+
+def to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` with their tensors on ``device``; a container none
+    of whose tensors moved is returned itself (see [Note: Forward inputs keep
+    their identity] in fsdp._runtime)."""
+
+    def move(tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        moved = [
+            x.to(device) if isinstance(x, Tensor) and x.device != device else x for x in leaves
+        ]
+        if all(new is old for new, old in zip(moved, leaves)):
+            return tree
+        return tree_unflatten(moved, spec)
+
+    return move(args), move(kwargs)
 
 
 def _replace_by_prefix(state_dict: dict[str, Any], old_prefix: str, new_prefix: str) -> None:

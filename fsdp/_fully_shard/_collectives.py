@@ -1,0 +1,291 @@
+"""A parameter group's collectives: one all-gather of every parameter through
+one flat buffer, and one reduce-scatter of every gradient (plus an all-reduce
+across replicas for HSDP).
+
+[Note: The all-gather buffer]
+Each rank copies its padded shards, one after the other and cast to the
+all-gather dtype in the same copy, into its slot of one flat buffer of
+``world * sum(padded shard numels)`` elements, and all-gathers into that
+buffer (``fsdp._comm.all_gather``). The buffer is then rank-major: rank r's
+shards of every parameter, then rank r+1's. Copying out (one
+``split_with_sizes_copy`` over the ``(world, -1)`` view) puts each parameter's
+chunks, in rank order, into its own unsharded data. Parameters of several
+all-gather dtypes share a ``uint8`` buffer. The copy-in and the collective run
+on the unshard stream (fsdp._streams), the copy-out on the current stream
+after an event. Writing the unsharded data keeps its version counter: autograd
+saved the unsharded parameters in forward, and backward's all-gather refills
+the same memory with the same values.
+
+[Note: The gradient reduction]
+Every gradient of the group is padded in dimension 0 to a multiple of the
+shard size and chunked: ``torch._chunk_cat`` writes, per rank, every
+gradient's chunk for that rank into one flat buffer of the reduce dtype (a
+gradient sharded in dimension ``d > 0`` is first rearranged so its chunks lie
+in dimension 0). One reduce-scatter gives each rank its chunks; for HSDP one
+all-reduce over the replicate group follows (or, without it, the result is
+kept and added to the next one). The reduced shard is cast to the parameters'
+dtype and viewed out into each parameter's gradient (on the CPU with
+offloading). The division by the data-parallel size is torch's (see
+``Division.of``): for fp32 and bf16 the collectives average (``AVG``; a
+custom factor ``f`` is ``PREMUL_SUM(1/f)`` for the reduce-scatter and a sum for
+the all-reduce), for other dtypes the sum is divided in two steps before and
+after (fsdp._comm.gradient_divide_factors), so fp16 neither overflows nor
+underflows. Where the backend has no ``PREMUL_SUM`` (gloo, on the CPU) a
+custom factor divides the sum after the reduction instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from fsdp import _comm
+from fsdp._fully_shard._param import ShardedParam
+from fsdp._streams import CommStreams
+
+__all__ = [
+    "Division",
+    "GatherResult",
+    "ReduceGroups",
+    "ReduceSpec",
+    "all_gather",
+    "copy_out",
+    "reduce_grads",
+]
+
+
+class GatherResult(NamedTuple):
+    """An all-gather issued and not yet copied out."""
+
+    output: Tensor  # (world * per_rank,) in the buffer dtype
+    split_sizes: list[int]  # each parameter's per-rank part, in buffer elements
+    world: int
+    event: torch.cuda.Event | None  # after the collective, on the unshard stream
+
+
+def _buffer_dtype(params: Sequence[ShardedParam]) -> torch.dtype:
+    dtypes = {p.gather_dtype for p in params}
+    return dtypes.pop() if len(dtypes) == 1 else torch.uint8
+
+
+@torch.no_grad()
+def all_gather(
+    params: Sequence[ShardedParam], group: ProcessGroup, streams: CommStreams
+) -> GatherResult:
+    """Copies in and all-gathers the group's shards (see [Note: The all-gather buffer])."""
+    world, rank = group.size(), group.rank()
+    dtype = _buffer_dtype(params)
+    with streams.on_unshard():
+        inputs = [p.all_gather_input() for p in params]
+        sizes = [_in_buffer_units(t.numel(), p.gather_dtype, dtype) for t, p in zip(inputs, params)]
+        per_rank = sum(sizes)
+        output = torch.empty(world * per_rank, dtype=dtype, device=params[0].device)
+        send = output.narrow(0, per_rank * rank, per_rank)
+        slots = [
+            s if dtype is not torch.uint8 else s.view(p.gather_dtype)
+            for s, p in zip(torch.split(send, sizes), params)
+        ]
+        torch._foreach_copy_(slots, inputs)
+        if world > 1:
+            _comm.all_gather(output, send, group)
+        event = streams.record_unshard()
+    return GatherResult(output, sizes, world, event)
+
+
+def _in_buffer_units(numel: int, dtype: torch.dtype, buffer: torch.dtype) -> int:
+    return numel * dtype.itemsize if buffer is torch.uint8 else numel
+
+
+@torch.no_grad()
+def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: CommStreams) -> None:
+    """Fills each parameter's unsharded data from the gathered buffer."""
+    streams.compute_waits(result.event)
+    world, buffer = result.world, result.output
+    outs: list[Tensor] = []
+    regroup: list[tuple[ShardedParam, Tensor]] = []
+    for param, size in zip(params, result.split_sizes):
+        numel = (
+            size * world
+            if buffer.dtype is not torch.uint8
+            else size * world // param.gather_dtype.itemsize
+        )
+        data = param.alloc_unsharded(numel)
+        target = data if param.shard_dim == 0 else torch.empty_like(data)
+        if param.shard_dim != 0:
+            regroup.append((param, target))
+        out = target.view(world, -1)
+        outs.append(out.view(torch.uint8) if buffer.dtype is torch.uint8 else out)
+    unsharded = tuple(p.unsharded_data for p in params if p.unsharded_data is not None)
+    with torch.autograd._unsafe_preserve_version_counter(unsharded):
+        torch.split_with_sizes_copy(buffer.view(world, -1), result.split_sizes, dim=1, out=outs)
+        for param, gathered in regroup:
+            _cat_along_shard_dim(param, gathered, world)
+    # the unshard stream may reuse the buffer's memory once the copy-out ran
+    streams.unshard_waits_for_compute()
+
+
+def _cat_along_shard_dim(param: ShardedParam, gathered: Tensor, world: int) -> None:
+    """Rank-major chunks (dimension 0) rearranged along the shard dimension."""
+    padded = list(param.padded_sharded_size)
+    stacked = [padded[0] * world, *padded[1:]]
+    chunks = torch.chunk(gathered.view(stacked), world, dim=0)
+    assert param.unsharded_data is not None
+    target = list(padded)
+    target[param.shard_dim] *= world
+    torch.cat(chunks, dim=param.shard_dim, out=param.unsharded_data.view(target))
+
+
+class Division(NamedTuple):
+    """How the reduction divides by the data-parallel size (see [Note: The
+    gradient reduction]): ``pre`` before, ``post`` after, the two ops."""
+
+    pre: float | None
+    post: float | None
+    reduce_scatter_op: object
+    all_reduce_op: object
+
+    @classmethod
+    def of(
+        cls,
+        reduce_dtype: torch.dtype,
+        data_parallel: int,
+        shard_size: int,
+        factor: float | None,
+        sum_only: bool,
+    ) -> Division:
+        summed = dist.ReduceOp.SUM
+        exact = reduce_dtype in (torch.float32, torch.bfloat16)
+        if exact and not sum_only:
+            if factor is None:
+                op = dist.ReduceOp.SUM if data_parallel == 1 else dist.ReduceOp.AVG
+                return cls(None, None, op, op)
+            if factor == shard_size:
+                return cls(None, None, dist.ReduceOp.AVG, summed)
+            return cls(None, None, dist.ReduceOp.PREMUL_SUM(1 / factor), summed)
+        total = float(data_parallel) if factor is None else factor
+        if exact:
+            return cls(None, total, summed, summed)
+        pre, post = _comm.gradient_divide_factors(total)  # type: ignore[arg-type]
+        return cls(pre, post, summed, summed)
+
+
+class ReduceGroups(NamedTuple):
+    """Where a group's gradients are reduced."""
+
+    shard: ProcessGroup
+    shard_size: int
+    replicate: ProcessGroup | None  # HSDP
+    replicate_size: int
+
+
+def _div(tensor: Tensor, factor: float | None) -> None:
+    if factor is not None and factor != 1:
+        tensor.div_(factor)
+
+
+def _padded(size: torch.Size, world: int) -> torch.Size:
+    return torch.Size([math.ceil(size[0] / world) * world, *size[1:]])
+
+
+def _dim0_chunks(params: Sequence[ShardedParam], grads: list[Tensor], world: int) -> list[Tensor]:
+    """Gradients sharded along ``d > 0`` rearranged so their chunks lie in dimension 0."""
+    if world == 1:
+        return grads
+    return [
+        g if p.shard_dim == 0 else torch.cat(torch.chunk(g, world, dim=p.shard_dim), dim=0)
+        for p, g in zip(params, grads)
+    ]
+
+
+class ReduceSpec(NamedTuple):
+    """How one group's gradients are reduced this backward."""
+
+    groups: ReduceGroups
+    reduce_dtype: torch.dtype | None  # None: the gradients' own dtype
+    orig_dtype: torch.dtype | None  # the sharded gradients' dtype
+    divide_factor: float | None  # set_gradient_divide_factor
+    all_reduce: bool  # HSDP: all-reduce across replicas now (else keep the partial sum)
+    sum_only: bool  # set_force_sum_reduction_for_comms, or a backend without PREMUL_SUM
+    hook: Callable[[Tensor], None] | None  # set_all_reduce_hook: on the reduced output
+
+
+@torch.no_grad()
+def reduce_grads(
+    params: Sequence[ShardedParam],
+    grads: list[Tensor],
+    spec: ReduceSpec,
+    streams: CommStreams,
+    partial: Tensor | None,
+) -> Tensor | None:
+    """Reduces ``grads`` (consumed: the list is emptied) into the sharded
+    gradients of ``params`` (see [Note: The gradient reduction]). Returns the
+    HSDP partial sum to keep when the all-reduce is left for later, else None."""
+    dtypes = {g.dtype for g in grads}
+    if len(dtypes) != 1:
+        raise AssertionError(f"FSDP reduce-scatter expects uniform gradient dtype but got {dtypes}")
+    groups, world = spec.groups, spec.groups.shard_size
+    reduce_dtype = spec.reduce_dtype or grads[0].dtype
+    division = Division.of(
+        reduce_dtype, world * groups.replicate_size, world, spec.divide_factor, spec.sum_only
+    )
+    chunked = _dim0_chunks(params, grads, world)
+    grads.clear()
+    padded = [_padded(g.size(), world) for g in chunked]
+    send = torch.empty(sum(s.numel() for s in padded), dtype=reduce_dtype, device=params[0].device)
+    torch._chunk_cat(chunked, dim=0, num_chunks=world, out=send.view(world, -1))
+    del chunked
+    with streams.on_reduce(send):
+        out = _reduce_scatter(send, world, groups, division, spec.divide_factor)
+        if groups.replicate is not None:
+            if not spec.all_reduce:
+                return out if partial is None else partial.add_(out)
+            if partial is not None:
+                out += partial
+            _comm.all_reduce(out, groups.replicate, division.all_reduce_op)
+        if spec.hook is not None:
+            spec.hook(out)
+        _div(out, division.post)
+        if spec.orig_dtype is not None and out.dtype != spec.orig_dtype:
+            out = out.to(spec.orig_dtype)
+        _view_out(params, out, padded, world)
+    return None
+
+
+def _reduce_scatter(
+    send: Tensor, world: int, groups: ReduceGroups, division: Division, factor: float | None
+) -> Tensor:
+    out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
+    _div(send, division.pre)
+    if world > 1:
+        _comm.reduce_scatter(out, send, groups.shard, division.reduce_scatter_op)
+    elif factor is not None and division.pre is None and division.post is None:
+        torch.div(send, factor, out=out)  # a one-rank PREMUL_SUM(1 / factor)
+    else:
+        out.copy_(send)
+    return out
+
+
+def _view_out(
+    params: Sequence[ShardedParam], out: Tensor, padded: list[torch.Size], world: int
+) -> None:
+    offset = 0
+    for param, size in zip(params, padded):
+        shard = torch.as_strided(out, param.sharded_size, param.sharded_stride, offset)
+        if param.offload:
+            shard = _offloaded(param, shard)
+        param.set_sharded_grad(shard)
+        offset += size.numel() // world
+
+
+def _offloaded(param: ShardedParam, shard: Tensor) -> Tensor:
+    """The gradient shard copied to the CPU: without waiting where nothing on the
+    CPU reads it before the end of backward (which waits for the copies)."""
+    hooks = getattr(param.sharded_param, "_post_accumulate_grad_hooks", None)
+    non_blocking = param.pin_memory and param.sharded_param.grad is None and not hooks
+    return shard.to(torch.device("cpu"), non_blocking=non_blocking)

@@ -1,0 +1,80 @@
+"""The lifecycle of a parameter group: where its parameters are, and how far the
+iteration got.
+
+[Note: A parameter group's lifecycle]
+A ``ParamGroup`` (one per ``fully_shard`` call) holds two checked lifecycles
+(``fsdp._lifecycle.Lifecycle``), each an enum with its transition table below,
+moved only by the group's own methods:
+
+``Residence``, what the module's parameters are:
+
+    SHARDED --unshard--> GATHERING --wait_for_unshard--> UNSHARDED
+    UNSHARDED --reshard--> SHARDED                       (reshard_after_forward=True,
+                                                          after backward, reshard())
+    UNSHARDED --reshard after forward--> SHARDED_POST_FORWARD --unshard--> GATHERING
+                                                         (reshard_after_forward=int)
+
+A reshard while an all-gather is pending discards it (GATHERING -> SHARDED);
+a reshard of a group that is sharded already is a move to the same state.
+
+``Phase``, the iteration as this group sees it:
+
+    IDLE --pre_forward--> FORWARD --post_forward--> IDLE
+    IDLE --pre_backward--> PRE_BACKWARD --post_backward--> POST_BACKWARD --end--> IDLE
+
+A module used twice before one backward has two post-backwards
+(POST_BACKWARD -> POST_BACKWARD) and may run its second pre-backward after its
+first post-backward (POST_BACKWARD -> PRE_BACKWARD). A group whose backward
+never ran a pre-backward (its outputs needed no gradient) is finished at the
+end of backward straight from IDLE (IDLE -> POST_BACKWARD), and a group's
+backward can end while it waits for a gradient that never came
+(PRE_BACKWARD -> IDLE). A forward during backward (activation checkpointing's
+recomputation) goes IDLE -> FORWARD -> IDLE. The two lifecycles are apart
+because they move apart: the user reshards, unshards and prefetches in any
+phase, and a phase (IDLE) holds any residence.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["PHASE_TRANSITIONS", "RESIDENCE_TRANSITIONS", "Phase", "Residence"]
+
+
+class Residence(enum.Enum):
+    """What the module's parameters are (see [Note: A parameter group's lifecycle])."""
+
+    SHARDED = enum.auto()  # the sharded DTensors are registered
+    GATHERING = enum.auto()  # an all-gather is in flight (or done, not yet copied out)
+    UNSHARDED = enum.auto()  # the unsharded parameters are registered
+    SHARDED_POST_FORWARD = enum.auto()  # resharded to the smaller post-forward mesh
+
+    __hash__ = object.__hash__  # singletons: identity hashing (checked on every hook)
+
+
+class Phase(enum.Enum):
+    """How far the iteration got, for this group."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+    __hash__ = object.__hash__
+
+
+_R = Residence
+RESIDENCE_TRANSITIONS: dict[Residence, frozenset[Residence]] = {
+    _R.SHARDED: frozenset({_R.SHARDED, _R.GATHERING}),
+    _R.GATHERING: frozenset({_R.UNSHARDED, _R.SHARDED}),
+    _R.UNSHARDED: frozenset({_R.SHARDED, _R.SHARDED_POST_FORWARD}),
+    _R.SHARDED_POST_FORWARD: frozenset({_R.GATHERING, _R.SHARDED}),
+}
+
+_P = Phase
+PHASE_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    _P.IDLE: frozenset({_P.FORWARD, _P.PRE_BACKWARD, _P.POST_BACKWARD, _P.IDLE}),
+    _P.FORWARD: frozenset({_P.IDLE}),
+    _P.PRE_BACKWARD: frozenset({_P.POST_BACKWARD, _P.IDLE, _P.FORWARD}),
+    _P.POST_BACKWARD: frozenset({_P.POST_BACKWARD, _P.PRE_BACKWARD, _P.IDLE, _P.FORWARD}),
+}
