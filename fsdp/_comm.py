@@ -101,8 +101,8 @@ def _from_bytes(payload: Tensor) -> Any:
     return pickle.loads(bytes(payload.cpu().clone().untyped_storage()))
 
 
-def new_group(ranks: list[int]) -> Any:
-    return dist.new_group(ranks)
+def new_group(ranks: list[int], use_local_synchronization: bool = False) -> Any:
+    return dist.new_group(ranks, use_local_synchronization=use_local_synchronization)
 
 
 def group_ranks(group: Any) -> list[int]:

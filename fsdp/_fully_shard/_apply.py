@@ -93,6 +93,15 @@ def fully_shard(
     return module  # type: ignore[return-value]
 
 
+def _state(module: nn.Module) -> FullyShardState | None:
+    """The ``fully_shard`` state of ``module`` (``fully_shard.state(module)``, as
+    torch's ``contract`` gives one), or None."""
+    return state_of(module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
 def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard expects an nn.Module but got {type(module)}")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from fsdp._fully_shard._param import ShardedParam
 from fsdp._streams import CommStreams
 
 __all__ = [
+    "Comms",
     "Division",
     "GatherResult",
     "ReduceGroups",
@@ -69,6 +70,55 @@ class GatherResult(NamedTuple):
     event: torch.cuda.Event | None  # after the collective, on the unshard stream
 
 
+class Comms:
+    """How a group's collectives allocate their buffers and run: through
+    fsdp._comm into ``torch.empty`` buffers by default; with a user's all-gather
+    or reduce-scatter object (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``: its ``allocate`` and its call, torch's
+    ``AllGather`` / ``ReduceScatter`` interface), or with buffers from the process
+    group's own allocator where its backend has one
+    (``set_allocate_memory_from_process_group_for_comm``)."""
+
+    all_gather: Any | None
+    reduce_scatter: Any | None
+    from_group: bool
+
+    def __init__(self) -> None:
+        self.all_gather = self.reduce_scatter = None
+        self.from_group = False
+
+    def allocate(
+        self,
+        custom: Any | None,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ProcessGroup,
+    ) -> Tensor:
+        if custom is not None:
+            allocated: Tensor = custom.allocate((numel,), dtype=dtype, device=device)
+            return allocated
+        if self.from_group and device.type != "cpu":
+            backend = group._get_backend(device)
+            if backend.supports_tensor_alloc(device):
+                return backend.allocate_tensor(numel, dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def gather(self, output: Tensor, send: Tensor, group: ProcessGroup) -> None:
+        if self.all_gather is not None:
+            self.all_gather(output_tensor=output, input_tensor=send, group=group, async_op=False)
+        else:
+            _comm.all_gather(output, send, group)
+
+    def scatter(self, output: Tensor, send: Tensor, group: ProcessGroup, op: Any) -> None:
+        if self.reduce_scatter is not None:
+            self.reduce_scatter(
+                output_tensor=output, input_tensor=send, group=group, op=op, async_op=False
+            )
+        else:
+            _comm.reduce_scatter(output, send, group, op)
+
+
 def _buffer_dtype(params: Sequence[ShardedParam]) -> torch.dtype:
     dtypes = {p.gather_dtype for p in params}
     return dtypes.pop() if len(dtypes) == 1 else torch.uint8
@@ -76,7 +126,7 @@ def _buffer_dtype(params: Sequence[ShardedParam]) -> torch.dtype:
 
 @torch.no_grad()
 def all_gather(
-    params: Sequence[ShardedParam], group: ProcessGroup, streams: CommStreams
+    params: Sequence[ShardedParam], group: ProcessGroup, streams: CommStreams, comms: Comms
 ) -> GatherResult:
     """Copies in and all-gathers the group's shards (see [Note: The all-gather buffer])."""
     world, rank = group.size(), group.rank()
@@ -85,7 +135,7 @@ def all_gather(
         inputs = [p.all_gather_input() for p in params]
         sizes = [_in_buffer_units(t.numel(), p.gather_dtype, dtype) for t, p in zip(inputs, params)]
         per_rank = sum(sizes)
-        output = torch.empty(world * per_rank, dtype=dtype, device=params[0].device)
+        output = comms.allocate(comms.all_gather, world * per_rank, dtype, params[0].device, group)
         send = output.narrow(0, per_rank * rank, per_rank)
         slots = [
             s if dtype is not torch.uint8 else s.view(p.gather_dtype)
@@ -93,7 +143,7 @@ def all_gather(
         ]
         torch._foreach_copy_(slots, inputs)
         if world > 1:
-            _comm.all_gather(output, send, group)
+            comms.gather(output, send, group)
         event = streams.record_unshard()
     return GatherResult(output, sizes, world, event)
 
@@ -213,6 +263,7 @@ class ReduceSpec(NamedTuple):
     all_reduce: bool  # HSDP: all-reduce across replicas now (else keep the partial sum)
     sum_only: bool  # set_force_sum_reduction_for_comms, or a backend without PREMUL_SUM
     hook: Callable[[Tensor], None] | None  # set_all_reduce_hook: on the reduced output
+    comms: Comms
 
 
 @torch.no_grad()
@@ -237,11 +288,14 @@ def reduce_grads(
     chunked = _dim0_chunks(params, grads, world)
     grads.clear()
     padded = [_padded(g.size(), world) for g in chunked]
-    send = torch.empty(sum(s.numel() for s in padded), dtype=reduce_dtype, device=params[0].device)
+    numel = sum(s.numel() for s in padded)
+    send = spec.comms.allocate(
+        spec.comms.reduce_scatter, numel, reduce_dtype, params[0].device, groups.shard
+    )
     torch._chunk_cat(chunked, dim=0, num_chunks=world, out=send.view(world, -1))
     del chunked
     with streams.on_reduce(send):
-        out = _reduce_scatter(send, world, groups, division, spec.divide_factor)
+        out = _reduce_scatter(send, world, groups, division, spec)
         if groups.replicate is not None:
             if not spec.all_reduce:
                 return out if partial is None else partial.add_(out)
@@ -258,12 +312,15 @@ def reduce_grads(
 
 
 def _reduce_scatter(
-    send: Tensor, world: int, groups: ReduceGroups, division: Division, factor: float | None
+    send: Tensor, world: int, groups: ReduceGroups, division: Division, spec: ReduceSpec
 ) -> Tensor:
-    out = torch.empty(send.numel() // world, dtype=send.dtype, device=send.device)
+    comms, factor = spec.comms, spec.divide_factor
+    out = comms.allocate(
+        comms.reduce_scatter, send.numel() // world, send.dtype, send.device, groups.shard
+    )
     _div(send, division.pre)
     if world > 1:
-        _comm.reduce_scatter(out, send, groups.shard, division.reduce_scatter_op)
+        comms.scatter(out, send, groups.shard, division.reduce_scatter_op)
     elif factor is not None and division.pre is None and division.post is None:
         torch.div(send, factor, out=out)  # a one-rank PREMUL_SUM(1 / factor)
     else:

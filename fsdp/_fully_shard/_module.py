@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
+from fsdp import _comm
 from fsdp._fully_shard._param_group import ParamGroup
 from fsdp._fully_shard._state import FullyShardState, state_of
 
@@ -182,6 +184,74 @@ class FSDPModule:
         """Whether backward needs this module's parameters (an embedding's does not)."""
         for group in self._groups():
             group.unshard_in_backward = unshard_in_backward
+
+    # ------------------------------------------------------------ communication
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gathers through ``comm`` (torch's ``AllGather`` interface: its
+        ``allocate`` gives the buffer, its call runs the collective)."""
+        for group in self._groups():
+            group.comms.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatters through ``comm`` (torch's ``ReduceScatter`` interface)."""
+        for group in self._groups():
+            group.comms.reduce_scatter = comm
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Collective buffers from the process group's own allocator, where its
+        backend has one (NCCL's, for zero-copy transfers); not with custom comms."""
+        for group in self._groups():
+            for name in ("all_gather", "reduce_scatter"):
+                custom = getattr(group.comms, name)
+                if custom is not None:
+                    label = name.replace("_", " ")
+                    raise AssertionError(
+                        "cannot call set_allocate_memory_from_process_group() "
+                        f"when {label} comm is custom: {type(custom).__name__}"
+                    )
+            group.comms.from_group = enable
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Symmetric-memory all-gather buffers: not provided by this implementation."""
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm({backend!r}): symmetric-memory collective buffers are "
+            "not supported by this fully_shard"
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatters on a process group of its own over the shard ranks (one
+        per set of ranks), so it can overlap the all-gathers; ``False`` goes back
+        to the shard group. Every rank of the mesh must call it alike."""
+        made: dict[tuple[int, ...], ProcessGroup] = {}
+        for group in self._subtree_groups(recurse):
+            if not enable:
+                group.reduce_scatter_group = None
+                continue
+            ranks = tuple(_comm.group_ranks(group.mesh_info.shard_group))
+            if ranks not in made:
+                made[ranks] = group.reduce_scatter_group or _comm.new_group(
+                    list(ranks), use_local_synchronization=True
+                )
+            group.reduce_scatter_group = made[ranks]
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Torch's cap on reduce-scatter input buffers in flight. Accepted and
+        checked; here a reduce-scatter's input is handed back to the allocator
+        recorded on the reduce stream, never waited for by the compute stream, so
+        no cap applies (as with an unlimited one)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._subtree_groups(recurse):
+            group.reduce_scatter_max_input_buffers = max_input_buffers
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         for module in self.modules():  # type: ignore[attr-defined]

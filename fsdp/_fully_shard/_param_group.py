@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from fsdp._common import profiler_label
 from fsdp._fully_shard._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._fully_shard._collectives import (
+    Comms,
     GatherResult,
     ReduceGroups,
     ReduceSpec,
@@ -101,6 +103,9 @@ class ParamGroup:
     unshard_in_backward: bool
     unshard_async_op: bool
     all_reduce_hook: Callable[[Tensor], None] | None
+    comms: Comms
+    reduce_scatter_group: ProcessGroup | None  # set_separate_reduce_scatter_group
+    reduce_scatter_max_input_buffers: int
     # the lifecycle and what the iteration keeps
     _residence: Lifecycle[Residence]
     _phase: Lifecycle[Phase]
@@ -135,6 +140,9 @@ class ParamGroup:
         self.reduce_scatter_unused_params = self.force_sum_reduction_for_comms = False
         self.unshard_in_backward, self.unshard_async_op = True, False
         self.all_reduce_hook = None
+        self.comms = Comms()
+        self.reduce_scatter_group = None
+        self.reduce_scatter_max_input_buffers = 1
         self._residence = Lifecycle(Residence.SHARDED, RESIDENCE_TRANSITIONS, "ParamGroup")
         self._phase = Lifecycle(Phase.IDLE, PHASE_TRANSITIONS, "ParamGroup")
         self._pending = None
@@ -255,7 +263,7 @@ class ParamGroup:
             assert self.post_forward_info is not None
             info = self.post_forward_info
         with profiler_label(self._label("FSDP::all_gather")):
-            self._pending = all_gather(self.params, info.shard_group, self.comm.streams)
+            self._pending = all_gather(self.params, info.shard_group, self.comm.streams, self.comms)
         self._residence.move(Residence.GATHERING)
 
     def wait_for_unshard(self) -> None:
@@ -418,6 +426,7 @@ class ParamGroup:
             self.all_reduce_grads,
             sum_only,
             self.all_reduce_hook,
+            self.comms,
         )
         with profiler_label(self._label("FSDP::post_backward_reduce")):
             streams = self.comm.streams

@@ -46,25 +46,23 @@ import fsdp.api
 import fsdp.sharded_grad_scaler
 import fsdp.wrap
 
-_FSDP2 = (
-    "FSDP2 (`fully_shard`) API, which shards each parameter as a DTensor over a DeviceMesh; "
-    "this package mirrors FSDP1"
+_SPMD_MESH = (
+    "torch 2.13's fully_shard of parameters that are DTensors on a whole SPMD mesh "
+    "(dp_mesh_dims naming its data-parallel dimensions); this fully_shard shards plain "
+    "parameters over a 1-D or 2-D data-parallel mesh"
 )
 
 EXCEPTIONS: dict[str, str] = {
-    "__all__.CPUOffloadPolicy": _FSDP2,
-    "__all__.DataParallelMeshDims": _FSDP2,
-    "__all__.FSDPModule": _FSDP2,
-    "__all__.MixedPrecisionPolicy": _FSDP2,
-    "__all__.OffloadPolicy": _FSDP2,
-    "__all__.UnshardHandle": _FSDP2,
-    "__all__.register_fsdp_forward_method": _FSDP2,
-    "__all__.share_comm_ctx": _FSDP2,
+    "__all__.DataParallelMeshDims": _SPMD_MESH,
+    "fully_shard.dp_mesh_dims": _SPMD_MESH,
 }
 """Differences from torch's API that are meant to stay, by key: the reason each may differ.
 Only DTensor / DeviceMesh-only and deprecated-in-torch items belong here."""
 
-SINCE: dict[str, tuple[int, int]] = {"__all__.DataParallelMeshDims": (2, 13)}
+SINCE: dict[str, tuple[int, int]] = {
+    "__all__.DataParallelMeshDims": (2, 13),
+    "fully_shard.dp_mesh_dims": (2, 13),
+}
 """Exceptions for names that torch exports from a version on (torch 2.11 has no
 ``DataParallelMeshDims``): before it, the difference does not exist."""
 
@@ -342,7 +340,7 @@ def dataclass_differences(name: str, theirs: type, ours: Any) -> list[Difference
 
 def function_differences(name: str, theirs: Callable[..., Any], ours: Any) -> list[Difference]:
     """The signature, and public attributes torch hangs on the function
-    (``size_based_auto_wrap_policy.FORCE_LEAF_MODULES``)."""
+    (``size_based_auto_wrap_policy.FORCE_LEAF_MODULES``; a function's by signature)."""
     if not callable(ours):
         return [Difference(name, f"not callable in ours: {ours!r}")]
     diffs = signature_differences(name, theirs, ours)
@@ -351,6 +349,9 @@ def function_differences(name: str, theirs: Callable[..., Any], ours: Any) -> li
             continue
         if not hasattr(ours, attr):
             diffs.append(Difference(f"{name}.{attr}", "missing attribute"))
+        elif inspect.isfunction(value) and callable(getattr(ours, attr)):
+            # a function hung on the function (``fully_shard.state``): its signature
+            diffs += signature_differences(f"{name}.{attr}", value, getattr(ours, attr))
         elif not _same_value(value, getattr(ours, attr)):
             message = f"value: torch {_show(value)}, ours {_show(getattr(ours, attr))}"
             diffs.append(Difference(f"{name}.{attr}", message))
@@ -404,6 +405,17 @@ _CONFIG_NAMES = (
     "LocalOptimStateDictConfig",
     "StateDictSettings",
 )
+# FSDP2: the function, the module class, its policies and companions.
+_FSDP2_NAMES = (
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+)
 # Private names of torch's wrap module that user policies and our tests build on.
 _WRAP_PRIVATE = ("_Policy", "_or_policy", "_wrap_module_cls_individually")
 _POLICY_PRIVATE = frozenset({"_run_policy"})
@@ -431,6 +443,8 @@ def _targets() -> Iterator[Target]:
     )
     for name in _CONFIG_NAMES:
         yield Target(name, torch_fsdp, (fsdp, fsdp.api), name)
+    for name in _FSDP2_NAMES:
+        yield Target(name, torch_fsdp, (fsdp,), name)
     yield Target(
         "sharded_grad_scaler.ShardedGradScaler",
         torch_scaler,
