@@ -1,0 +1,184 @@
+"""What ``fully_shard`` builds: the state object per call, the class swap to
+``FSDP<Class>``, DTensor parameters sharded on dim 0 (or where
+``shard_placement_fn`` says) over the mesh, buffers left alone, meta-device
+initialisation with ``to_empty`` and ``reset_parameters``, and ignored parameters.
+Facts from upstream's ``test_fully_shard_init.py``, ``test_fully_shard_state.py``
+and ``test_fully_shard_ignore_params.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdptest.api import FSDPModule, fully_shard
+from models import MLP
+from suites.fsdp2.helpers import (
+    FSDP2Test,
+    Lockstep,
+    average_gradients,
+    batch,
+    lockstep,
+    mlp_stack,
+    shard_each,
+)
+
+
+class TestFullyShardState(FSDP2Test):
+    def test_fully_shard_state(self) -> None:
+        """``fully_shard.state(module)`` gives each call's own state object."""
+        model = nn.Sequential(*(MLP(4) for _ in range(3)))
+        shard_each(model)
+        states = [fully_shard.state(model)] + [fully_shard.state(mlp) for mlp in model]
+        self.assertTrue(all(state is not None for state in states))
+        self.assertEqual(len({id(state) for state in states}), 4)
+
+    def test_fully_shard_cls(self) -> None:
+        """Only the module passed to ``fully_shard`` changes class, to ``FSDP<Class>``,
+        a subclass of both its class and ``FSDPModule``; slicing a sharded
+        ``Sequential`` gives a plain one."""
+        model = MLP(4)
+        fully_shard(model)
+        self.assertIsInstance(model, MLP)
+        self.assertIsInstance(model, FSDPModule)
+        self.assertEqual(type(model).__name__, "FSDPMLP")
+        for name, module in model.named_modules():
+            if module is not model:
+                self.assertFalse(isinstance(module, FSDPModule), name)
+        stack = nn.Sequential(*(MLP(4) for _ in range(3)))
+        fully_shard(stack)
+        self.assertEqual(type(stack).__name__, "FSDPSequential")
+        self.assertFalse(isinstance(stack[:2], FSDPModule))
+        self.assertIsInstance(stack[:2], nn.Sequential)
+
+
+class TestFullyShardParameters(FSDP2Test):
+    def test_sharded_parameters(self) -> None:
+        """Every managed parameter becomes a DTensor of the original shape and
+        dtype, placed (Shard(0),) on the 1-D mesh, on the mesh's device, still
+        requiring grad as before and registered under the same name."""
+        self.run_subtests(
+            {"dtype": [torch.float32, torch.bfloat16], "frozen_first": [False, True]}, self._sharded
+        )
+
+    def _sharded(self, dtype: torch.dtype, frozen_first: bool) -> None:
+        model = mlp_stack(5, depth=2).to(dtype)
+        if frozen_first:
+            model[0].requires_grad_(False)
+        before = {n: (p.shape, p.requires_grad) for n, p in model.named_parameters()}
+        shard_each(model)
+        after = dict(model.named_parameters())
+        self.assertEqual(list(after), list(before))
+        for name, param in after.items():
+            self.assertIsInstance(param, DTensor, name)
+            self.assertIsInstance(param, nn.Parameter, name)
+            self.assertEqual((param.shape, param.requires_grad), before[name], msg=name)
+            self.assertEqual(param.dtype, dtype, msg=name)
+            self.assertEqual(tuple(param.placements), (Shard(0),), msg=name)
+            self.assertEqual(param.device_mesh.size(), self.world_size, msg=name)
+            self.assertEqual(param.to_local().device.type, self.device_type, msg=name)
+
+    def test_buffers_are_not_sharded(self) -> None:
+        """Buffers stay plain tensors, equal to the originals, on the device."""
+        model = mlp_stack(4, depth=2, with_buffer=True)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        shard_each(model)
+        for name, buffer in model.named_buffers():
+            self.assertFalse(isinstance(buffer, DTensor), name)
+            self.assertEqual(buffer, buffers[name], msg=name)
+
+    def test_shard_placement_fn(self) -> None:
+        """``shard_placement_fn`` returning ``Shard(1)`` for weights (and None, dim 0,
+        for the rest) places them so, and the model trains as the reference."""
+        self.run_subtests({"reshard_after_forward": [True, False]}, self._placement)
+
+    def _placement(self, reshard_after_forward: bool) -> None:
+        def place(param: nn.Parameter) -> Shard | None:
+            return Shard(1) if param.ndim == 2 else None
+
+        width = 12  # divisible by 2, 3 and 4: dim-1 sharding must be even
+        run = lockstep(
+            self,
+            lambda: mlp_stack(width, depth=2, dim_multiplier=1),
+            functools.partial(
+                shard_each, shard_placement_fn=place, reshard_after_forward=reshard_after_forward
+            ),
+        )
+        for name, param in run.model.named_parameters():
+            expected = Shard(1) if param.ndim == 2 else Shard(0)
+            self.assertEqual(tuple(param.placements), (expected,), msg=name)
+        run.train(2, (2, width))
+
+
+class TestFullyShardMetaDeviceInit(FSDP2Test):
+    def test_meta_device_1d_init(self) -> None:
+        """A model built on the meta device, sharded, then ``to_empty`` on the device
+        and ``reset_parameters`` on every module: no parameter or buffer is left on
+        meta, the shards are DTensors on the device, and the model trains as a
+        replicated copy of its full parameters."""
+        self.run_subtests({"with_buffer": [False, True]}, self._meta)
+
+    def _meta(self, with_buffer: bool) -> None:
+        with torch.device("meta"):
+            model = nn.Sequential(*(MLP(6, with_buffer=with_buffer) for _ in range(2)))
+        shard_each(model)
+        for name, param in model.named_parameters():
+            self.assertEqual(param.device.type, "meta", name)
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.rank)  # shards are initialised independently per rank
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            self.assertEqual(tensor.device.type, self.device_type, name)
+        for name, param in model.named_parameters():
+            self.assertIsInstance(param, DTensor, name)
+        reference = nn.Sequential(*(MLP(6, with_buffer=with_buffer) for _ in range(2))).to(
+            self.device
+        )
+        reference.load_state_dict(
+            {
+                k: v.full_tensor() if isinstance(v, DTensor) else v
+                for k, v in model.state_dict().items()
+            }
+        )
+        if with_buffer:
+            # reset_parameters drew each rank's buffer independently: take rank 0's.
+            for buffer in [*model.buffers(), *reference.buffers()]:
+                torch.distributed.broadcast(buffer, src=0)
+        Lockstep(self, model, reference).train(2, (2, 6))
+
+
+class TestFullyShardIgnoredParams(FSDP2Test):
+    def test_ignored_params(self) -> None:
+        """Ignored parameters stay plain tensors, are not moved or sharded, and their
+        gradients are each rank's own (not reduced); the rest trains as the reference."""
+        self.run_subtests({"ignore": ["first_in_proj", "last_mlp"]}, self._ignored)
+
+    def _ignored(self, ignore: str) -> None:
+        model = mlp_stack(6, depth=2)
+        reference = copy.deepcopy(model)
+        ignored = set(
+            model[0].in_proj.parameters() if ignore == "first_in_proj" else model[1].parameters()
+        )
+        names = {n for n, p in model.named_parameters() if p in ignored}
+        shard_each(model, ignored_params=ignored)
+        for name, param in model.named_parameters():
+            self.assertEqual(isinstance(param, DTensor), name not in names, name)
+        x = batch(self.rank, 0, 2, 6)
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        local = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        average_gradients(reference)
+        for name, param in model.named_parameters():
+            if name in names:
+                self.assertEqual(param.grad, local[name], msg=f"{name}: the rank's own gradient")
+        references = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            if name not in names:
+                self.assertEqual(param.full_tensor(), references[name].detach(), msg=name)
+                self.assertEqual(param.grad.full_tensor(), references[name].grad, msg=name)
