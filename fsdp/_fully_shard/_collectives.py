@@ -246,7 +246,7 @@ def _padded(size: torch.Size, world: int) -> torch.Size:
 def _dim0_chunks(params: Sequence[ShardedParam], grads: list[Tensor], world: int) -> list[Tensor]:
     """Gradients sharded along ``d > 0`` rearranged so their chunks lie in dimension 0."""
     if world == 1:
-        return grads
+        return list(grads)  # a list of its own: the caller empties ``grads``
     return [
         g if p.shard_dim == 0 else torch.cat(torch.chunk(g, world, dim=p.shard_dim), dim=0)
         for p, g in zip(params, grads)

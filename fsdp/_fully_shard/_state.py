@@ -35,6 +35,7 @@ strongly would keep the module alive for ever).
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -271,10 +272,24 @@ class FullyShardState:
 
         def hook(t: Tensor) -> Tensor:
             if t.requires_grad:
+                if t._base is not None:
+                    self._warn_view_output()
                 t.register_hook(self._pre_backward)
             return t
 
         return _apply_to_tensors(hook, output)
+
+    def _warn_view_output(self) -> None:
+        # An in-place op on a view replaces its grad_fn, and the hook with it
+        warnings.warn(
+            f"FSDP2-wrapped module ({type(self.module).__name__}) returned a view tensor. "
+            "An in-place op on this view (e.g., `x += y`) will silently drop the pre-backward "
+            "hook and skip the all-gather, which can cause backward to fail or produce wrong "
+            "gradients. Use out-of-place ops (`out = out + y`, not `out += y`) or `.clone()` "
+            "the output before any in-place op.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------ backward
 
