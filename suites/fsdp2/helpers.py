@@ -18,6 +18,17 @@ all-reduce's order, so the last bits may differ. Optimizers alternate
 misroutes a gradient, skips an unshard or trains the wrong shard moves a loss or
 a shard far outside these tolerances.
 
+[Note: A low-precision reference]
+The reference keeps fp32 parameters (its optimizer steps them) and a copy in the
+compute dtype that runs forward and backward; its gradients are cast to the
+reduce dtype, summed over ranks there, divided by the world size, and stored in
+fp32 for the step, after which the low-precision copy is refreshed. The sharded
+model's unsharded parameters are the same casts of the same fp32 values, so the
+losses agree to the compute dtype's rounding; the gradients differ only in where
+the division by W happens (before or after the sum, or in the reduction itself),
+which rounds differently in bf16/fp16 at W = 3: gradients and parameters are
+compared with the compute dtype's tolerance (``LOW_PRECISION_TOL``).
+
 Models are tiny (widths of 4 to 16) and runs are short (2 or 3 steps): the
 suites run in CI on two CPU cores, and a configuration is a subtest of one test.
 """
@@ -241,3 +252,59 @@ class CollectiveLog:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
+
+
+LOW_PRECISION_TOL: dict[torch.dtype, dict[str, float]] = {
+    # assert_close's own tolerances for these dtypes, applied to the fp32 tensors
+    # derived from them (see [Note: A low-precision reference]).
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
+    torch.float16: {"rtol": 1e-3, "atol": 1e-5},
+    torch.float32: {"rtol": 1.3e-6, "atol": 1e-5},
+}
+
+
+class LowPrecisionReference:
+    """See [Note: A low-precision reference]."""
+
+    def __init__(
+        self, model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    ) -> None:
+        self.full = model
+        self.low = copy.deepcopy(model).to(param_dtype)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.optim = torch.optim.SGD(self.full.parameters(), lr=LR)
+
+    def backward(self, x: torch.Tensor) -> torch.Tensor:
+        loss = self.low(x.to(self.param_dtype)).sum()
+        loss.backward()
+        for full, low in zip(self.full.parameters(), self.low.parameters(), strict=True):
+            grad = low.grad.to(self.reduce_dtype)
+            dist.all_reduce(grad)
+            full.grad = (grad / dist.get_world_size()).to(full.dtype)
+            low.grad = None
+        return loss
+
+    def step(self) -> None:
+        self.optim.step()
+        self.optim.zero_grad()
+        with torch.no_grad():
+            for full, low in zip(self.full.parameters(), self.low.parameters(), strict=True):
+                low.copy_(full)
+
+
+def assert_sharded_close(
+    case: FSDP2Test, reference: nn.Module, model: nn.Module, dtype: torch.dtype
+) -> None:
+    """Each local shard (and gradient) of ``model`` equals the reference's part,
+    within ``dtype``'s tolerance."""
+    tol = LOW_PRECISION_TOL[dtype]
+    for (name, ref), (_, ours) in zip(
+        reference.named_parameters(), model.named_parameters(), strict=True
+    ):
+        case.assertIsInstance(ours, DTensor, name)
+        case.assertEqual(ours.dtype, ref.dtype, msg=f"{name}: sharded parameters keep their dtype")
+        case.assertEqual(ours.full_tensor(), ref.detach(), msg=name, **tol)
+        if ref.grad is not None:
+            case.assertEqual(ours.grad.dtype, ref.dtype, msg=f"{name}.grad dtype")
+            case.assertEqual(ours.grad.full_tensor(), ref.grad, msg=f"{name}.grad", **tol)
