@@ -39,7 +39,6 @@ autograd: ``as_dtensor``.
 from __future__ import annotations
 
 import itertools
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp._fully_shard._api import MixedPrecisionPolicy
 from fsdp._fully_shard._mesh import MeshInfo
@@ -59,7 +59,7 @@ _UIDS = itertools.count()
 # Original parameters, by identity, to the uid of their first sharding: a parameter
 # tied across two ``fully_shard`` calls is sharded twice under one uid (weak, so
 # no parameter is kept alive by it).
-_ORIG_UIDS: weakref.WeakKeyDictionary[Tensor, int] = weakref.WeakKeyDictionary()
+_ORIG_UIDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors by identity, not ==
 
 
 def orig_uid(param: Tensor) -> int:

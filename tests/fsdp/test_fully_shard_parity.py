@@ -21,36 +21,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp._fully_shard import MixedPrecisionPolicy, fully_shard
 from harness import DistributedTest
 from harness.collectives import CollectiveRecorder
+from tests.fsdp.fully_shard_cases import PRECISIONS, batch, loss_of, model
 
-_PRECISIONS: dict[str, dict[str, torch.dtype]] = {
-    "fp32": {},
-    "bf16": {"param_dtype": torch.bfloat16},
-    "fp16-reduce-fp32": {"param_dtype": torch.float16, "reduce_dtype": torch.float32},
-}
+_PRECISIONS = PRECISIONS
 
 
-def _model(device: torch.device) -> nn.Sequential:
-    torch.manual_seed(0)
-    # 7, 3 and 11 rows: uneven shards at 2, 3 and 4 ranks, and an empty one at 4
-    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 11)).to(device)
-
-
-def _shard(model: nn.Sequential, shard_fn: Callable[..., Any], **kwargs: Any) -> nn.Sequential:
-    for layer in model:
+def _shard(module: nn.Sequential, shard_fn: Callable[..., Any], **kwargs: Any) -> nn.Sequential:
+    for layer in module:
         if isinstance(layer, nn.Linear):
             shard_fn(layer, **kwargs)
-    shard_fn(model, **kwargs)
-    return model
-
-
-def _batch(step: int, world_size: int, device: torch.device) -> torch.Tensor:
-    """The global batch of one step: rank r trains on rows [4r, 4r + 4)."""
-    generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(4 * world_size, 5, generator=generator).to(device)
-
-
-def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).float().pow(2).sum()
+    shard_fn(module, **kwargs)
+    return module
 
 
 class _Pair:
@@ -63,12 +44,12 @@ class _Pair:
         policy = _PRECISIONS[precision]
         ours_policy, torch_policy = MixedPrecisionPolicy(**policy), TorchMixedPrecision(**policy)
         self.ours = _shard(
-            _model(test.device), fully_shard, mesh=mesh, mp_policy=ours_policy, **kwargs
+            model(test.device), fully_shard, mesh=mesh, mp_policy=ours_policy, **kwargs
         )
         self.theirs = _shard(
-            _model(test.device), torch_fully_shard, mesh=mesh, mp_policy=torch_policy, **kwargs
+            model(test.device), torch_fully_shard, mesh=mesh, mp_policy=torch_policy, **kwargs
         )
-        self.ddp = DDP(_model(test.device)) if ddp else None
+        self.ddp = DDP(model(test.device)) if ddp else None
         models = [m for m in (self.ours, self.theirs, self.ddp) if m is not None]
         self.optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
 
@@ -78,9 +59,9 @@ class _Pair:
 
     def step(self, step: int) -> None:
         rank, world = self.test.rank, self.test.world_size
-        x = _batch(step, world, self.test.device)[4 * rank : 4 * rank + 4]
+        x = batch(step, world, self.test.device)[4 * rank : 4 * rank + 4]
         models = [m for m in (self.ours, self.theirs, self.ddp) if m is not None]
-        losses = [_loss(m, x) for m in models]
+        losses = [loss_of(m, x) for m in models]
         for loss in losses:
             loss.backward()
         self.test.assertEqual(losses[0], losses[1], atol=0, rtol=0)
@@ -150,11 +131,11 @@ class _ParityTests(DistributedTest):
             (fully_shard, MixedPrecisionPolicy),
             (torch_fully_shard, TorchMixedPrecision),
         ):
-            model = _shard(
-                _model(self.device), shard_fn, mp_policy=policy(**_PRECISIONS[precision])
+            sharded = _shard(
+                model(self.device), shard_fn, mp_policy=policy(**_PRECISIONS[precision])
             )
             with CollectiveRecorder() as recorder:
-                _loss(model, _batch(0, 1, self.device)).backward()
+                loss_of(sharded, batch(0, 1, self.device)).backward()
             traces.append(
                 [(c.kind, c.input_dtype, c.input_numel, c.output_numel) for c in recorder.calls]
             )
