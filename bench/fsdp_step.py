@@ -1,4 +1,4 @@
-"""Step time and peak memory of one GPT training step under DDP and four FSDPs.
+"""Step time and peak memory of one GPT training step under DDP and five FSDPs.
 
 Usage::
 
@@ -12,6 +12,7 @@ group one after the other, from the same initial weights and on the same data:
 - ``ddp``: ``DistributedDataParallel``, fp32 parameters, bf16 autocast.
 - ``torch-fsdp1``: ``torch.distributed.fsdp.FullyShardedDataParallel``.
 - ``torch-fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each block, then the root.
+- ``local-fsdp2``: this project's ``fsdp.fully_shard`` (FSDP2), the same way.
 - ``local`` / ``local-flat``: this project's ``fsdp.FullyShardedDataParallel`` with
   ``use_orig_params=True`` / ``False``.
 
@@ -53,7 +54,7 @@ import fsdp
 from fsdp.wrap import ModuleWrapPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("ddp", "torch-fsdp1", "torch-fsdp2", "local", "local-flat")
+MODES = ("ddp", "torch-fsdp1", "torch-fsdp2", "local-fsdp2", "local", "local-flat")
 LR = 1e-4
 PROFILE_STEPS = 2
 # The reference every other mode's final loss is compared with (relative error).
@@ -365,6 +366,16 @@ def build_torch_fsdp2(model: GPT, cfg: BenchConfig, env: RankEnv) -> Wrapped:
     return Wrapped(fully_shard(model, mesh=mesh, mp_policy=mp_policy), None)
 
 
+def build_local_fsdp2(model: GPT, cfg: BenchConfig, env: RankEnv) -> Wrapped:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mp_policy = fsdp.MixedPrecisionPolicy(param_dtype=cfg.low_precision, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    return Wrapped(fsdp.fully_shard(model, mesh=mesh, mp_policy=mp_policy), None)
+
+
 def _build_local(model: GPT, cfg: BenchConfig, env: RankEnv, use_orig_params: bool) -> nn.Module:
     mp_policy = None
     if cfg.low_precision is not None:
@@ -391,6 +402,7 @@ BUILDERS: dict[str, Builder] = {
     "ddp": build_ddp,
     "torch-fsdp1": build_torch_fsdp1,
     "torch-fsdp2": build_torch_fsdp2,
+    "local-fsdp2": build_local_fsdp2,
     "local": build_local,
     "local-flat": build_local_flat,
 }
