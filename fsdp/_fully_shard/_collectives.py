@@ -171,7 +171,12 @@ def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: Comm
             regroup.append((param, target))
         out = target.view(world, -1)
         outs.append(out.view(torch.uint8) if buffer.dtype is torch.uint8 else out)
-    unsharded = tuple(p.unsharded_data for p in params if p.unsharded_data is not None)
+    # (tensors made under inference_mode have no version counter to keep)
+    unsharded = tuple(
+        p.unsharded_data
+        for p in params
+        if p.unsharded_data is not None and not p.unsharded_data.is_inference()
+    )
     with torch.autograd._unsafe_preserve_version_counter(unsharded):
         torch.split_with_sizes_copy(buffer.view(world, -1), result.split_sizes, dim=1, out=outs)
         for param, gathered in regroup:
