@@ -333,11 +333,12 @@ def world_size_of(item: pytest.Item) -> int:
     from harness.testcase import declared_world_size
 
     cls = item.cls  # type: ignore[attr-defined]
-    pinned = declared_world_size(cls)
+    size = int(item.config.getoption("dist_world_size"))
+    marker = item.get_closest_marker("min_world_size")
+    unpinned = size if marker is None else max(size, int(marker.args[0]))
+    pinned = declared_world_size(cls, unpinned if maps_cuda_to_cpu(item) else None)
     if pinned is None:
-        size = int(item.config.getoption("dist_world_size"))
-        marker = item.get_closest_marker("min_world_size")
-        return size if marker is None else max(size, int(marker.args[0]))
+        return unpinned
     if pinned < 1:
         pytest.fail(
             f"{cls.__qualname__}.world_size is {pinned}: a distributed test needs at least "

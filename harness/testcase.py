@@ -9,6 +9,7 @@ initialised; ``setUp``/``tearDown`` run in every rank around the body.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness._rank import context as rank_context
+from harness._rank.cuda_mapping import gpus_counted_as
 from harness.assertions import Assertions
 
 
@@ -85,13 +87,22 @@ class DistributedTest(Assertions):
         rank_context.current().run_subtests(subtest_config, test_fn, test_args, dict(test_kwargs))
 
 
-def declared_world_size(cls: type) -> int | None:
-    """The world size a class pins, or None when it leaves it to ``--world-size``."""
+def declared_world_size(cls: type, gpus_if_none: int | None = None) -> int | None:
+    """The world size a class pins, or None when it leaves it to ``--world-size``.
+
+    ``gpus_if_none``: where this process sees no GPU and the test's CUDA devices
+    map to CPU ranks (``--map-cuda-to-cpu``), the count ``torch.cuda.device_count()``
+    answers while a ``world_size`` property is read (see [Note: Mapping CUDA to a
+    CPU rank] in ``harness._rank.cuda_mapping``)."""
     for klass in cls.__mro__:
         if "world_size" in vars(klass):
             if klass is DistributedTest:
                 return None
             attr = vars(klass)["world_size"]
-            value: Any = attr.fget(cls.__new__(cls)) if isinstance(attr, property) else attr
+            if not isinstance(attr, property):
+                return int(attr)
+            counting = gpus_if_none is not None and torch.cuda.device_count() == 0
+            with gpus_counted_as(gpus_if_none) if counting else contextlib.nullcontext():
+                value: Any = attr.fget(cls.__new__(cls))
             return int(value)
     return None

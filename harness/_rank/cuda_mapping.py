@@ -19,19 +19,32 @@ stack back to its depth before the test when the test ends, also what the
 test itself left pushed, so nothing outlives the test (``isolation`` clears the
 stack after every test as well).
 
-Not mapped: the ``torch.cuda`` functions (``current_device``, ``set_device``,
+Two more things are mapped, each patched for the block and put back after it:
+``torch.cuda.device_count()`` answers the rank pool's world size (a test that
+sizes itself by its GPUs, ``world_size = min(4, torch.cuda.device_count())``,
+then sees one device per rank, as on the GPU machine it was written for; the
+pytest process answers such a class's ``world_size`` the same way:
+``harness.testcase.declared_world_size``), and ``DistributedDataParallel`` given
+``device_ids``/``output_device`` for a module whose parameters are on the CPU drops
+them (torch refuses device ids for CPU modules; on the GPU machine they named the
+module's own device, which on a CPU rank is the CPU).
+
+Not mapped: the other ``torch.cuda`` functions (``current_device``, ``set_device``,
 ``synchronize``, streams, events), a CUDA device handed to code that is not a
-torch function (``FSDP(device_id=torch.device("cuda"))``,
-``DDP(device_ids=[rank])``), and comparisons with a CUDA device.
+torch function (``FSDP(device_id=torch.device("cuda"))``), and comparisons with a
+CUDA device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 _CUDA_KEYWORDS = ("non_blocking", "memory_format")
@@ -85,9 +98,43 @@ def mapped(enabled: bool, device: torch.device) -> Iterator[None]:
     depth = torch._C._len_torch_function_stack()
     CudaToRankDevice(device).__enter__()  # left by popping the stack back to its depth
     try:
-        yield
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        with gpus_counted_as(ranks), _ddp_without_cpu_device_ids():
+            yield
     finally:
         pop_function_modes(depth)
+
+
+@contextlib.contextmanager
+def gpus_counted_as(count: int) -> Iterator[None]:
+    """``torch.cuda.device_count()`` answers ``count`` in the block (see the module note)."""
+    original = torch.cuda.device_count
+    torch.cuda.device_count = lambda: count
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = original
+
+
+@contextlib.contextmanager
+def _ddp_without_cpu_device_ids() -> Iterator[None]:
+    """DDP drops ``device_ids``/``output_device`` for a CPU module in the block."""
+    original = DistributedDataParallel.__init__
+
+    @functools.wraps(original)
+    def init(
+        self: DistributedDataParallel, module: torch.nn.Module, *args: Any, **kwargs: Any
+    ) -> None:
+        if all(p.device.type == "cpu" for p in module.parameters()):
+            args = (None, None, *args[2:])[: len(args)]
+            kwargs.update({k: None for k in ("device_ids", "output_device") if k in kwargs})
+        original(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
 
 
 def pop_function_modes(depth: int = 0) -> int:

@@ -232,6 +232,58 @@ def test_cuda_mapping_resolves_device_arguments_and_restores_the_mode_stack() ->
         assert torch._C._len_torch_function_stack() == depth
 
 
+def test_cuda_mapping_counts_one_gpu_per_rank_and_restores_the_count() -> None:
+    """Outside a process group the block counts one GPU (the one rank); the count
+    is torch's own again after it."""
+    count = torch.cuda.device_count
+    with mapped(True, torch.device("cpu")):
+        assert torch.cuda.device_count() == 1
+    assert torch.cuda.device_count is count
+
+
+GPU_SIZED = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from upstream.common_distributed import skip_if_lt_x_gpu
+    from upstream.common_fsdp import FSDPTest
+
+
+    class TestSizedByItsGPUs(FSDPTest):
+        @property
+        def world_size(self):
+            return min(4, torch.cuda.device_count())
+
+        @skip_if_lt_x_gpu(2)
+        def test_ddp_with_device_ids(self):
+            assert self.world_size == dist.get_world_size() == torch.cuda.device_count()
+            model = DDP(nn.Linear(3, 3).cuda(), device_ids=[self.rank])
+            assert model.device_ids is None
+            DDP(nn.Linear(3, 3).cuda(), device_ids=[self.rank], output_device=self.rank)
+            model(torch.randn(2, 3).cuda()).sum().backward()
+            ones = torch.ones(1).cuda()
+            dist.all_reduce(ones)
+            assert ones.item() == self.world_size
+    """
+)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the mapping applies to CPU ranks only")
+def test_gpu_sized_class_and_ddp_device_ids_under_cuda_mapping(inner: Any) -> None:
+    """Under --map-cuda-to-cpu a class whose world_size counts CUDA devices gets the
+    ranks --world-size gives (3 here), not the error for zero ranks, and
+    ``DDP(module, device_ids=[rank])`` of a CPU module works in them; without the
+    mapping the class asks for 0 ranks, which is the setup error."""
+    run = inner(GPU_SIZED, "--map-cuda-to-cpu", "--world-size", "3", "-v")
+    run.result.assert_outcomes(passed=1)
+    assert "PASSED (3 ranks, cpu/gloo)" in run.text
+    unmapped = inner(GPU_SIZED, "-v")
+    unmapped.result.assert_outcomes(errors=1)
+    assert "TestSizedByItsGPUs.world_size is 0" in unmapped.text
+
+
 # -- what a test declares it needs, and what it may not leave behind ---------------------------
 
 DECLARED_RANKS = textwrap.dedent(
