@@ -310,3 +310,143 @@ class TestClipGradNormEdgeCases(FSDPTest):
         _same_on_every_rank(self, total)
         for param in params:
             self.assertEqual(param.grad, torch.full_like(param, 2.0 / (2.0 + 1e-6)))
+
+
+# -- parameters no unit manages, and the returned dtype --------------------------------------------
+
+
+def _net_with_unmanaged() -> nn.Sequential:
+    """``_net`` and a fourth block that no unit manages (ignored): its gradient is
+    each rank's own, counted once per rank in that rank's norm."""
+    net = _net()
+    net.append(Block(5, 3))
+    return net
+
+
+def _ddp_ignoring_last_block(net: nn.Module) -> DDP:
+    """DDP leaving the last block's parameters out of its all-reduce, as FSDP does."""
+    names = [f"3.{name}" for name, _ in net[3].named_parameters()]
+    DDP._set_params_and_buffers_to_ignore_for_model(net, names)
+    return _ddp(net)
+
+
+def _fsdp_with_unmanaged(
+    sharding: Sharding,
+    use_orig_params: bool,
+    as_states: bool,
+    inner_precision: MixedPrecision | None = None,
+    root_precision: MixedPrecision | None = None,
+) -> FSDP:
+    net = _net_with_unmanaged().to(current_device())
+    common = {"use_orig_params": use_orig_params}
+    for i in range(2):
+        net[i] = FSDP(
+            net[i], sharding_strategy=sharding.inner, mixed_precision=inner_precision, **common
+        )
+    ignored = {"ignored_states": list(net[3].parameters())} if as_states else {}
+    ignored = ignored or {"ignored_modules": [net[3]]}
+    return FSDP(
+        net, sharding_strategy=sharding.root, mixed_precision=root_precision, **ignored, **common
+    )
+
+
+def _promoted_grad_dtype(model: nn.Module) -> torch.dtype:
+    dtypes = [p.grad.dtype for p in model.parameters() if p.grad is not None]
+    promoted = dtypes[0]
+    for dtype in dtypes[1:]:
+        promoted = torch.promote_types(promoted, dtype)
+    return promoted
+
+
+class _ClipGradNormUnmanaged(FSDPTest):
+    def test_unmanaged_parameters_count_once_on_their_rank(self) -> None:
+        """An ignored block's gradient (each rank's own) enters that rank's norm
+        once (the infinity norm: the largest over the ranks), and is clipped: the norm and that block's clipped gradients equal
+        DDP's leaving the block out of its all-reduce, for every sharding x
+        use_orig_params x norm type x max_norm x ignored as modules or as
+        parameters."""
+        config = {
+            "max_norm": [0.1, 2.5],
+            "norm_type": [1.0, 2.0, math.inf],
+            "sharding": list(Sharding),
+            "use_orig_params": [False, True],
+            "as_states": [False, True],
+        }
+        self.run_subtests(config, self._check_unmanaged)
+
+    def _check_unmanaged(
+        self,
+        max_norm: float,
+        norm_type: float,
+        sharding: Sharding,
+        use_orig_params: bool,
+        as_states: bool,
+    ) -> None:
+        model = _fsdp_with_unmanaged(sharding, use_orig_params, as_states)
+        reference = _ddp_ignoring_last_block(_net_with_unmanaged())
+        for m in (model, reference):
+            _loss(m, self.rank).backward()
+        total = model.clip_grad_norm_(max_norm, norm_type)
+        grads = [p.grad for p in reference.parameters() if p.grad is not None]
+        expected = nn.utils.get_total_norm(grads, norm_type)
+        if math.isinf(norm_type) and sharding is not Sharding.NO_SHARD:
+            # The infinity norm is the largest element of every rank's gradients
+            # (torch's FSDP all-reduces the maximum, unmanaged gradients included);
+            # where no unit shards, nn.utils.clip_grad_norm_ clips on each rank alone.
+            dist.all_reduce(expected, op=dist.ReduceOp.MAX)
+        nn.utils.clip_grads_with_norm_(reference.parameters(), max_norm, expected)
+        self.assertEqual(total, expected, rtol=NORM_RTOL, atol=NORM_ATOL)
+        # Each rank clips with its own norm (its own unmanaged gradient in it), so
+        # the managed shards of a summoned parameter were clipped by different
+        # coefficients; the unmanaged gradients are whole on every rank.
+        clipped = [p.grad for p in model.module[3].parameters()]
+        self.assertEqual(clipped, [p.grad for p in reference.module[3].parameters()])
+
+    def test_norm_dtype_is_every_gradients_promotion(self) -> None:
+        """The returned norm's dtype promotes the dtypes of every gradient of the
+        rank, whichever unit (root, inner, or none) holds the low-precision ones."""
+        bf16 = MixedPrecision(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.bfloat16,
+            keep_low_precision_grads=True,
+            cast_forward_inputs=True,
+        )
+        config = {
+            "precisions": [(bf16, None), (None, bf16), (bf16, bf16)],
+            "unmanaged": [False, True],
+            "use_orig_params": [False, True],
+            "sharding": [Sharding.FULL_SHARD, Sharding.MIXED],
+        }
+        self.run_subtests(config, self._check_dtype)
+
+    def _check_dtype(
+        self,
+        precisions: tuple[MixedPrecision | None, MixedPrecision | None],
+        unmanaged: bool,
+        use_orig_params: bool,
+        sharding: Sharding,
+    ) -> None:
+        inner, root = precisions
+        if unmanaged:
+            model = _fsdp_with_unmanaged(sharding, use_orig_params, False, inner, root)
+        else:
+            model = _fsdp(
+                sharding.inner,
+                sharding.root,
+                use_orig_params=use_orig_params,
+                inner_precision=inner,
+                root_precision=root,
+            )
+        _loss(model, self.rank).backward()
+        expected = _promoted_grad_dtype(model)
+        total = model.clip_grad_norm_(1.0)
+        self.assertEqual(total.dtype, expected)
+        self.assertGreater(total.item(), 0.0)
+
+
+class TestClipGradNormUnmanagedWorld2(_ClipGradNormUnmanaged):
+    world_size = 2
+
+
+class TestClipGradNormUnmanagedWorld3(_ClipGradNormUnmanaged):
+    world_size = 3
