@@ -19,8 +19,10 @@ stack back to its depth before the test when the test ends, also what the
 test itself left pushed, so nothing outlives the test (``isolation`` clears the
 stack after every test as well).
 
-Two more things are mapped, each patched for the block and put back after it:
-``torch.cuda.device_count()`` answers the rank pool's world size (a test that
+Three more things are mapped, each patched for the block and put back after it:
+a ``DeviceMesh`` (``init_device_mesh("cuda", ...)`` included) asked for on
+``cuda`` is built on the rank's device type; ``torch.cuda.device_count()``
+answers the rank pool's world size (a test that
 sizes itself by its GPUs, ``world_size = min(4, torch.cuda.device_count())``,
 then sees one device per rank, as on the GPU machine it was written for; the
 pytest process answers such a class's ``world_size`` the same way:
@@ -44,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
@@ -99,7 +102,7 @@ def mapped(enabled: bool, device: torch.device) -> Iterator[None]:
     CudaToRankDevice(device).__enter__()  # left by popping the stack back to its depth
     try:
         ranks = dist.get_world_size() if dist.is_initialized() else 1
-        with gpus_counted_as(ranks), _ddp_without_cpu_device_ids():
+        with gpus_counted_as(ranks), _ddp_without_cpu_device_ids(), _meshes_on(device):
             yield
     finally:
         pop_function_modes(depth)
@@ -114,6 +117,22 @@ def gpus_counted_as(count: int) -> Iterator[None]:
         yield
     finally:
         torch.cuda.device_count = original
+
+
+@contextlib.contextmanager
+def _meshes_on(device: torch.device) -> Iterator[None]:
+    """A ``DeviceMesh`` asked for on ``cuda`` is built on ``device``'s type in the block."""
+    original = DeviceMesh.__init__
+
+    @functools.wraps(original)
+    def init(self: DeviceMesh, device_type: str, *args: Any, **kwargs: Any) -> None:
+        original(self, device.type if names_cuda(device_type) else device_type, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
