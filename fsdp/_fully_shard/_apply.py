@@ -45,7 +45,7 @@ _NO_OFFLOAD = OffloadPolicy()
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -53,9 +53,10 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
     offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
-) -> FSDPModule:
+) -> Any:
     """Shards ``module``'s parameters over ``mesh`` and returns ``module``, now an
-    ``FSDPModule`` (see [Note: What one call manages]).
+    ``FSDPModule`` (see [Note: What one call manages]). A list of modules makes one
+    group of them all (tied weights, a norm and a head), each an ``FSDPModule``.
 
     - ``mesh``: 1-D (``Shard(0)``) or 2-D with named dimensions (HSDP:
       replicate over dimension 0, shard over dimension 1). ``None``: a 1-D mesh
@@ -71,26 +72,38 @@ def fully_shard(
     - ``ignored_params``: parameters left alone: not sharded, not moved, their
       gradients not reduced.
     """
-    _check_module(module)
+    modules = _roots(module)
+    for root in modules:
+        _check_module(root)
     mesh = mesh or default_mesh()
     validate_mesh(mesh)
     info = MeshInfo.of(mesh)
     device = device_of(mesh)
     auto = reshard_after_forward is None
     post_forward = post_forward_mesh(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
-    managed = _managed_modules(module, ignored_params or set())
-    params, buffers = _managed_states(managed, ignored_params or set())
+    ignored = ignored_params or set()
+    params, buffers = _managed_states(_managed_modules(modules, ignored), ignored)
     _move_to_device(params, buffers, device)
-    state = FullyShardState(module, device, mp_policy, auto)
+    state = FullyShardState(modules, device, mp_policy, auto)
     if params:
         sharded = _shard_params(
-            params, module, info, post_forward, device, shard_placement_fn, offload_policy
+            params, modules, info, post_forward, device, shard_placement_fn, offload_policy
         )
-        state.set_group(
-            ParamGroup(sharded, (module,), info, post_forward, device, mp_policy, offload_policy)
-        )
-    _swap_class(module)
-    return module  # type: ignore[return-value]
+        group = ParamGroup(sharded, modules, info, post_forward, device, mp_policy, offload_policy)
+        state.set_group(group)
+    for root in modules:
+        _swap_class(root)
+    return module
+
+
+def _roots(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules of one call: ``module``, or those of a list that are not inside
+    another of it."""
+    if isinstance(module, nn.Module):
+        return (module,)
+    listed = list(module)
+    inside = {sub for m in listed for sub in m.modules() if sub is not m}
+    return tuple(m for m in listed if m not in inside)
 
 
 def _state(module: nn.Module) -> FullyShardState | None:
@@ -119,14 +132,14 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-def _managed_modules(root: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
-    """The modules of ``root``'s tree down to earlier ``fully_shard`` modules,
+def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """The modules of the roots' trees down to earlier ``fully_shard`` modules,
     children before parents, without those entirely ignored."""
     found: list[nn.Module] = []
     visited: set[nn.Module] = set()
 
     def visit(module: nn.Module) -> None:
-        if module is not root and state_of(module) is not None:
+        if module not in roots and state_of(module) is not None:
             return
         visited.add(module)
         for child in module.children():
@@ -134,7 +147,8 @@ def _managed_modules(root: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Mod
                 visit(child)
         found.append(module)
 
-    visit(root)
+    for root in roots:
+        visit(root)
     if not ignored:
         return found
     decided: dict[nn.Module, bool] = {}
@@ -193,14 +207,14 @@ def _move_to_device(
 
 def _shard_params(
     params: list[nn.Parameter],
-    root: nn.Module,
+    roots: tuple[nn.Module, ...],
     info: MeshInfo,
     post_forward: MeshInfo | None,
     device: torch.device,
     placement_fn: Callable[[nn.Parameter], Shard | None] | None,
     offload: OffloadPolicy,
 ) -> list[ShardedParam]:
-    locations = _locations(params, root)
+    locations = _locations(params, roots)
     cpu = isinstance(offload, CPUOffloadPolicy)
     pin = cpu and offload.pin_memory  # type: ignore[attr-defined]
     sharded = []
@@ -224,11 +238,12 @@ def _shard_dim(param: nn.Parameter, placement_fn: Callable[[nn.Parameter], Any] 
     return placement.dim + param.ndim if placement.dim < 0 else placement.dim
 
 
-def _locations(params: list[nn.Parameter], root: nn.Module) -> list[ParamLocation]:
-    """Every place the tree holds each parameter (a shared module, a tied weight)."""
+def _locations(params: list[nn.Parameter], roots: tuple[nn.Module, ...]) -> list[ParamLocation]:
+    """Every place the trees hold each parameter (a shared module, a tied weight)."""
     wanted = set(params)
     found: dict[nn.Parameter, ParamLocation] = {}
-    for _, module in root.named_modules(remove_duplicate=False):
+    every = (m for root in roots for _, m in root.named_modules(remove_duplicate=False))
+    for module in every:
         for name, param in module._parameters.items():
             if param is None or param not in wanted:
                 continue
@@ -237,7 +252,7 @@ def _locations(params: list[nn.Parameter], root: nn.Module) -> list[ParamLocatio
             else:
                 found[param] = ParamLocation(module, name)
     if len(found) != len(params):
-        raise AssertionError(f"Some parameters are not in the module tree of {root}")
+        raise AssertionError(f"Some parameters are not in the module tree of {roots}")
     return [found[p] for p in params]
 
 

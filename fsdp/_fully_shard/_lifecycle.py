@@ -22,7 +22,10 @@ a reshard of a group that is sharded already is a move to the same state.
     IDLE --pre_forward--> FORWARD --post_forward--> IDLE
     IDLE --pre_backward--> PRE_BACKWARD --post_backward--> POST_BACKWARD --end--> IDLE
 
-A module used twice before one backward has two post-backwards
+The modules of one ``fully_shard([a, b])`` each run a pre-forward
+(FORWARD -> FORWARD after the first); when some of them run again after the
+root's forward (a head called per chunk), the group's forward never completes
+and its backward starts from there (FORWARD -> POST_BACKWARD). A module used twice before one backward has two post-backwards
 (POST_BACKWARD -> POST_BACKWARD) and may run its second pre-backward after its
 first post-backward (POST_BACKWARD -> PRE_BACKWARD). A group whose backward
 never ran a pre-backward (its outputs needed no gradient) is finished at the
@@ -74,7 +77,7 @@ RESIDENCE_TRANSITIONS: dict[Residence, frozenset[Residence]] = {
 _P = Phase
 PHASE_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     _P.IDLE: frozenset({_P.FORWARD, _P.PRE_BACKWARD, _P.POST_BACKWARD, _P.IDLE}),
-    _P.FORWARD: frozenset({_P.IDLE}),
+    _P.FORWARD: frozenset({_P.IDLE, _P.FORWARD, _P.POST_BACKWARD}),
     _P.PRE_BACKWARD: frozenset({_P.POST_BACKWARD, _P.IDLE, _P.FORWARD}),
     _P.POST_BACKWARD: frozenset({_P.POST_BACKWARD, _P.PRE_BACKWARD, _P.IDLE, _P.FORWARD}),
 }

@@ -318,10 +318,11 @@ class ParamGroup:
         """Pre: the group is idle (or finished a backward). Post: unsharded, and
         the inputs carry the post-backward registration."""
         with profiler_label(self._label("FSDP::pre_forward")):
+            entering = self._phase.state is not Phase.FORWARD  # not a group's later module
             self._phase.move(Phase.FORWARD)
             self.unshard(self.unshard_async_op)
             self.wait_for_unshard()
-            return self._register_post_backward(args, kwargs)
+            return self._register_post_backward(args, kwargs) if entering else (args, kwargs)
 
     def post_forward(self, module: nn.Module | None, output: Any) -> Any:
         """Reshards as ``reshard_after_forward`` says (not when recomputing in

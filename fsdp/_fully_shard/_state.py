@@ -89,7 +89,7 @@ class FullyShardState:
     """The hooks of one ``fully_shard`` module and its place in the tree (see
     [Note: One iteration of fully_shard])."""
 
-    module: nn.Module
+    modules: tuple[nn.Module, ...]  # several for fully_shard([a, b])
     group: ParamGroup | None
     device: torch.device
     mp_policy: MixedPrecisionPolicy
@@ -99,15 +99,16 @@ class FullyShardState:
     comm: CommContext
     forward_prefetch: list[FullyShardState]
     backward_prefetch: list[FullyShardState]
+    _to_run: set[nn.Module]  # a group of several modules: those yet to run this forward
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: tuple[nn.Module, ...],
         device: torch.device,
         mp_policy: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ) -> None:
-        self.module = module
+        self.modules = modules
         self.group = None
         self.device = device
         self.mp_policy = mp_policy
@@ -117,9 +118,21 @@ class FullyShardState:
         self.comm = CommContext(device)
         self.forward_prefetch = []
         self.backward_prefetch = []
-        _STATES[module] = weakref.ref(self)
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, prepend=False)
+        self._to_run = set()
+        for module in modules:
+            _STATES[module] = weakref.ref(self)
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            if len(modules) == 1:
+                module.register_forward_hook(self._post_forward, prepend=False)
+            else:
+                module.register_forward_hook(
+                    self._grouped_post_forward, prepend=False, always_call=True
+                )
+
+    @property
+    def module(self) -> nn.Module:
+        """The module (the first, for a group of several)."""
+        return self.modules[0]
 
     def set_group(self, group: ParamGroup) -> None:
         self.group = group
@@ -133,6 +146,8 @@ class FullyShardState:
         if self.is_root is not None:
             return
         self.is_root = True
+        if len(self.modules) > 1:
+            raise RuntimeError(f"FSDP requires a single root module but got {self.modules}")
         seen: set[FullyShardState] = set()
         for name, module in self.module.named_modules():
             state = state_of(module)
@@ -169,8 +184,8 @@ class FullyShardState:
                 by_param[param].fqn = name
         for name, module in self.module.named_modules():
             state = state_of(module)
-            if state is not None and state.group is not None and state.module is module:
-                state.group.fqn = name
+            if state is not None and state.group is not None and module in state.modules:
+                state.group.fqn = f"{state.group.fqn}, {name}" if state.group.fqn else name
 
     def _check_no_shared_params(self) -> None:
         seen: set[int] = set()
@@ -206,13 +221,18 @@ class FullyShardState:
                 group.unshard()
                 group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
-        args, kwargs = self._root_pre_forward(args, kwargs)
+        first = group is None or group.phase is not Phase.FORWARD  # a group's first module
+        if len(self.modules) > 1 and not self._to_run:
+            self._to_run.update(self.modules)
+        if first:
+            args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         if group is not None:
             args, kwargs = group.pre_forward(module, args, kwargs)
-        for state in self.forward_prefetch:
-            if state.group is not None:
-                state.group.prefetch(backward=False)
+        if first:
+            for state in self.forward_prefetch:
+                if state.group is not None:
+                    state.group.prefetch(backward=False)
         return args, kwargs
 
     def _root_pre_forward(
@@ -253,8 +273,32 @@ class FullyShardState:
             output = self.group.post_forward(module, output)
         output = self._register_pre_backward(output)
         if self.tree.iter_forward_root is self:
+            output = self._complete_partial_groups(output)
             self.tree.iter_forward_root = None
         return self._cast_output(output)
+
+    @_eager
+    def _grouped_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """A module of ``fully_shard([a, b])``: the last of them to run this forward
+        runs the post-forward; the others only cast their outputs."""
+        if module in self._to_run:
+            self._to_run.remove(module)
+            if not self._to_run:
+                return self.post_forward(module, output)
+        return self._cast_output(output)
+
+    def _complete_partial_groups(self, output: Any) -> Any:
+        """At the end of the root's forward: the groups of several modules not all
+        of which ran (a head called later, per chunk) finish their post-forward,
+        innermost first."""
+        for state in reversed(self.tree.states):
+            if state is self or not state._to_run:
+                continue
+            if state.group is not None:
+                output = state.group.post_forward(None, output)
+            output = state._cast_output(state._register_pre_backward(output))
+            state._to_run.clear()
+        return output
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
@@ -316,6 +360,7 @@ class FullyShardState:
         tree = self.tree
         tree.iter_forward_root = None
         for state in tree.states:
+            state._to_run.clear()
             if state.group is None:
                 continue
             state.group.end_backward()

@@ -294,6 +294,33 @@ class TestFullyShardModule(DistributedTest):
         with self.assertRaisesRegex(RuntimeError, "must be called on the root"):
             broken[0].reset_iter_state()
 
+    def test_modules_grouped_in_one_call(self) -> None:
+        """fully_shard([embedding, head]) with tied weights: one group, both modules
+        FSDPModules, one all-gather for both in forward; a head run again after the
+        root's forward (per chunk) trains as torch's does."""
+        models, traces = [], []
+        for api in IMPLEMENTATIONS:
+            net = _Tied().to(self.device)
+            api.fully_shard(net.body, reshard_after_forward=True)
+            api.fully_shard([net.embed, net.head], reshard_after_forward=True)
+            api.fully_shard(net)
+            self.assertTrue(
+                isinstance(net.embed, api.FSDPModule) and isinstance(net.head, api.FSDPModule)
+            )
+            tokens = torch.arange(6, device=self.device) + self.rank
+            with CollectiveRecorder() as recorder:
+                hidden = net(tokens)
+                loss = sum(net.head(chunk).pow(2).sum() for chunk in hidden.chunk(2))
+                loss.backward()
+            traces.append(_gathers(recorder))
+            models.append(net)
+        self.assertEqual(traces[0], traces[1])
+        assert_same_params(self, models[0], models[1])
+        with self.assertRaisesRegex(RuntimeError, "requires a single root module"):
+            lone = [nn.Linear(2, 2).to(self.device), nn.Linear(2, 2).to(self.device)]
+            OURS.fully_shard(lone)
+            lone[0](torch.ones(1, 2, device=self.device))
+
     def test_unsupported_setters_say_so(self) -> None:
         """set_symm_mem_for_comm is not provided (NCCL symmetric memory); the
         reduce-scatter buffer cap is checked as torch checks it."""
@@ -335,6 +362,21 @@ class _ParamSum(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum(p.sum() for p in self.parameters()) + 0 * x.sum()
+
+
+class _Tied(nn.Module):
+    """An embedding and a head sharing their weight; the forward stops before the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embed(tokens))
 
 
 class _Branches(nn.Module):
