@@ -174,6 +174,9 @@ class KnownDefects:
     output was detached (its backward never runs) is unsharded by the prefetch and
     keeps ``Tensor`` views, so its parameters vanish from ``parameters()``
     (suites/test_fsdp_freezing_weights.py)."""
+    state_dict_type_context_kept_after_exception: bool = False
+    """A ``state_dict_type`` context left by an exception leaves its settings in
+    place (no ``finally``; suites/test_state_dict_type_context.py)."""
     tp_optim_state_shapes: bool = False
     """Optimizer state dicts of tensor-parallel parameters
     (suites/test_fsdp_tp_integration.py, its module note)."""
