@@ -131,6 +131,19 @@ class CommStreams:
         event.record(self.unshard)
         return event
 
+    def record_compute(self) -> torch.cuda.Event | None:
+        """An event after the work just issued on the current stream."""
+        if self.unshard is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.current())
+        return event
+
+    def unshard_waits(self, event: torch.Event | None) -> None:
+        """The unshard stream waits for ``event`` (data the current stream wrote)."""
+        if self.unshard is not None and event is not None:
+            self.unshard.wait_event(event)  # type: ignore[arg-type]
+
     def compute_waits(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             self.current().wait_event(event)

@@ -14,7 +14,9 @@ all-gather dtypes share a ``uint8`` buffer. The copy-in and the collective run
 on the unshard stream (fsdp._streams), the copy-out on the current stream
 after an event. Writing the unsharded data keeps its version counter: autograd
 saved the unsharded parameters in forward, and backward's all-gather refills
-the same memory with the same values.
+the same memory with the same values. On a one-rank shard group there is
+nothing to gather and no buffer: the shards are copied (and cast) straight
+into the unsharded data on the current stream.
 
 [Note: The gradient reduction]
 Every gradient of the group is padded in dimension 0 to a multiple of the
@@ -64,7 +66,7 @@ __all__ = [
 class GatherResult(NamedTuple):
     """An all-gather issued and not yet copied out."""
 
-    output: Tensor  # (world * per_rank,) in the buffer dtype
+    output: Tensor | None  # (world * per_rank,) in the buffer dtype; None on one rank
     split_sizes: list[int]  # each parameter's per-rank part, in buffer elements
     world: int
     event: torch.cuda.Event | None  # after the collective, on the unshard stream
@@ -130,6 +132,8 @@ def all_gather(
 ) -> GatherResult:
     """Copies in and all-gathers the group's shards (see [Note: The all-gather buffer])."""
     world, rank = group.size(), group.rank()
+    if world == 1:  # nothing to gather: the copy-out copies (and casts) the shards
+        return GatherResult(None, [], 1, None)
     dtype = _buffer_dtype(params)
     with streams.on_unshard():
         inputs = [p.all_gather_input() for p in params]
@@ -142,8 +146,7 @@ def all_gather(
             for s, p in zip(torch.split(send, sizes), params)
         ]
         torch._foreach_copy_(slots, inputs)
-        if world > 1:
-            comms.gather(output, send, group)
+        comms.gather(output, send, group)
         event = streams.record_unshard()
     return GatherResult(output, sizes, world, event)
 
@@ -155,8 +158,12 @@ def _in_buffer_units(numel: int, dtype: torch.dtype, buffer: torch.dtype) -> int
 @torch.no_grad()
 def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: CommStreams) -> None:
     """Fills each parameter's unsharded data from the gathered buffer."""
+    buffer = result.output
+    if buffer is None:
+        _copy_one_rank(params)
+        return
     streams.compute_waits(result.event)
-    world, buffer = result.world, result.output
+    world = result.world
     outs: list[Tensor] = []
     regroup: list[tuple[ShardedParam, Tensor]] = []
     for param, size in zip(params, result.split_sizes):
@@ -171,18 +178,31 @@ def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: Comm
             regroup.append((param, target))
         out = target.view(world, -1)
         outs.append(out.view(torch.uint8) if buffer.dtype is torch.uint8 else out)
-    # (tensors made under inference_mode have no version counter to keep)
-    unsharded = tuple(
-        p.unsharded_data
-        for p in params
-        if p.unsharded_data is not None and not p.unsharded_data.is_inference()
-    )
-    with torch.autograd._unsafe_preserve_version_counter(unsharded):
+    with _keeping_versions(params):
         torch.split_with_sizes_copy(buffer.view(world, -1), result.split_sizes, dim=1, out=outs)
         for param, gathered in regroup:
             _cat_along_shard_dim(param, gathered, world)
     # the unshard stream may reuse the buffer's memory once the copy-out ran
     streams.unshard_waits_for_compute()
+
+
+def _keeping_versions(params: Sequence[ShardedParam]) -> Any:
+    """Writes into the unsharded data that leave its version counter as it was
+    (tensors made under inference_mode have none)."""
+    unsharded = tuple(
+        p.unsharded_data
+        for p in params
+        if p.unsharded_data is not None and not p.unsharded_data.is_inference()
+    )
+    return torch.autograd._unsafe_preserve_version_counter(unsharded)
+
+
+def _copy_one_rank(params: Sequence[ShardedParam]) -> None:
+    """One rank: each shard is the whole (padded) parameter, copied and cast on
+    the current stream."""
+    datas = [p.alloc_unsharded(p.sharded_data.numel()) for p in params]
+    with _keeping_versions(params):
+        torch._foreach_copy_(datas, [p.all_gather_input() for p in params])
 
 
 def _cat_along_shard_dim(param: ShardedParam, gathered: Tensor, world: int) -> None:

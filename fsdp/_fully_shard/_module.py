@@ -73,6 +73,9 @@ class FSDPModule:
         groups = self._groups()
         for group in groups:
             group.lazy_init()
+            # the shards may have just been written (an optimizer step, a load) on
+            # the current stream: unlike the hooks' all-gathers, an explicit one waits
+            group.comm.streams.unshard_waits_for_compute()
             group.unshard(async_op)
         handle = _UnshardHandleImpl(groups)
         if async_op:

@@ -110,6 +110,7 @@ class ParamGroup:
     _residence: Lifecycle[Residence]
     _phase: Lifecycle[Phase]
     _pending: GatherResult | None
+    _post_forward_written: torch.cuda.Event | None  # CUDA: after the post-forward shards
     _post_forward_indices: list[int]
     _partial_reduce: Tensor | None  # HSDP: reduce-scattered, not yet all-reduced
     _orig_dtype: torch.dtype | None
@@ -146,6 +147,7 @@ class ParamGroup:
         self._residence = Lifecycle(Residence.SHARDED, RESIDENCE_TRANSITIONS, "ParamGroup")
         self._phase = Lifecycle(Phase.IDLE, PHASE_TRANSITIONS, "ParamGroup")
         self._pending = None
+        self._post_forward_written = None
         self._post_forward_indices = []
         self._partial_reduce = None
         self._orig_dtype = self._reduce_dtype = None
@@ -262,6 +264,8 @@ class ParamGroup:
         if residence is Residence.SHARDED_POST_FORWARD:
             assert self.post_forward_info is not None
             info = self.post_forward_info
+            self.comm.streams.unshard_waits(self._post_forward_written)
+            self._post_forward_written = None
         with profiler_label(self._label("FSDP::all_gather")):
             self._pending = all_gather(self.params, info.shard_group, self.comm.streams, self.comms)
         self._residence.move(Residence.GATHERING)
@@ -299,6 +303,9 @@ class ParamGroup:
             return
         for param in self.params:
             param.to_sharded_post_forward()
+        # the post-forward shards were written on the current stream; backward's
+        # all-gather of them, on the unshard stream, waits for that
+        self._post_forward_written = self.comm.streams.record_compute()
         self._residence.move(Residence.SHARDED_POST_FORWARD)
 
     def prefetch(self, backward: bool) -> None:

@@ -245,8 +245,7 @@ class FullyShardState:
         tree.iter_forward_root = self
         streams = self.comm.streams
         if tree.post_optim_event is not None:
-            if streams.unshard is not None:
-                streams.unshard.wait_event(tree.post_optim_event)  # type: ignore[arg-type]
+            streams.unshard_waits(tree.post_optim_event)
             tree.post_optim_event = None
         else:
             streams.unshard_waits_for_compute()

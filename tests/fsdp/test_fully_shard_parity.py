@@ -1,5 +1,5 @@
 """Our ``fully_shard`` trains as torch's does, bit for bit, and as DDP does: on
-1-D meshes of 2, 3 and 4 ranks (uneven shards, a rank with an empty shard),
+1-D meshes of 1, 2, 3 and 4 ranks (uneven shards, a rank with an empty shard),
 every ``reshard_after_forward``, mixed precision, and HSDP on a 2 x 2 mesh; and
 it issues the same collectives per step (one all-gather and one reduce-scatter
 per parameter group, of the same sizes and dtypes)."""
@@ -157,6 +157,22 @@ class _ParityTests(DistributedTest):
             replicas = [torch.empty_like(local) for _ in range(2)]
             dist.all_gather(replicas, local, group=mesh.get_group(0))
             self.assertEqual(replicas[0], replicas[1], atol=0, rtol=0)
+
+
+class TestParityOneRank(_ParityTests):
+    world_size = 1
+    torch_configs = ((None, "fp32"), (True, "bf16"))
+
+    def _cases(self) -> list[tuple[str, Any]]:
+        return [*(("torch", config) for config in self.torch_configs), ("collectives", "bf16")]
+
+    def _check_collectives(self, precision: str) -> None:
+        """One rank: no collective at all, as torch's."""
+        for shard_fn in (fully_shard, torch_fully_shard):
+            sharded = _shard(model(self.device), shard_fn)
+            with CollectiveRecorder() as recorder:
+                loss_of(sharded, batch(0, 1, self.device)).backward()
+            self.assertEqual(recorder.calls, [])
 
 
 class TestParityTwoRanks(_ParityTests):
