@@ -310,15 +310,7 @@ def reduce_grads(
     division = Division.of(
         reduce_dtype, world * groups.replicate_size, world, spec.divide_factor, spec.sum_only
     )
-    chunked = _dim0_chunks(params, grads, world)
-    grads.clear()
-    padded = [_padded(g.size(), world) for g in chunked]
-    numel = sum(s.numel() for s in padded)
-    send = spec.comms.allocate(
-        spec.comms.reduce_scatter, numel, reduce_dtype, params[0].device, groups.shard
-    )
-    torch._chunk_cat(chunked, dim=0, num_chunks=world, out=send.view(world, -1))
-    del chunked
+    send, padded = _chunked_copy(params, grads, reduce_dtype, spec)
     with streams.on_reduce(send):
         out = _reduce_scatter(send, world, groups, division, spec)
         if groups.replicate is not None:
@@ -334,6 +326,22 @@ def reduce_grads(
             out = out.to(spec.orig_dtype)
         _view_out(params, out, padded, world)
     return None
+
+
+def _chunked_copy(
+    params: Sequence[ShardedParam], grads: list[Tensor], dtype: torch.dtype, spec: ReduceSpec
+) -> tuple[Tensor, list[torch.Size]]:
+    """The reduce-scatter's input (each rank's chunks of every gradient, padded)
+    and the gradients' padded sizes; ``grads`` is emptied, freeing the gradients."""
+    world = spec.groups.shard_size
+    chunked = _dim0_chunks(params, grads, world)
+    grads.clear()
+    padded = [_padded(g.size(), world) for g in chunked]
+    numel = sum(s.numel() for s in padded)
+    comms = spec.comms
+    send = comms.allocate(comms.reduce_scatter, numel, dtype, params[0].device, spec.groups.shard)
+    torch._chunk_cat(chunked, dim=0, num_chunks=world, out=send.view(world, -1))
+    return send, padded
 
 
 def _reduce_scatter(

@@ -60,16 +60,6 @@ class MeshInfo:
     def is_hsdp(self) -> bool:
         return self.replicate_group is not None
 
-    @property
-    def shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the shard dimension."""
-        if self.mesh.ndim == 1:
-            return self.mesh
-        names = self.mesh.mesh_dim_names
-        if names is None:  # a post-forward mesh: only its groups are used
-            return self.mesh
-        return self.mesh[names[-1]]
-
 
 def validate_mesh(mesh: DeviceMesh) -> None:
     if mesh.ndim not in (1, 2):

@@ -176,10 +176,6 @@ class ParamGroup:
     def offloads(self) -> bool:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
 
-    @property
-    def reshards_after_forward(self) -> bool:
-        return self.post_forward_info is not None
-
     # ------------------------------------------------------------ setup
 
     def lazy_init(self) -> None:

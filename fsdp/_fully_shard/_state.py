@@ -148,6 +148,18 @@ class FullyShardState:
         self.is_root = True
         if len(self.modules) > 1:
             raise RuntimeError(f"FSDP requires a single root module but got {self.modules}")
+        self._collect_tree()
+        if self.auto_reshard_after_forward and self.group is not None:
+            self.group.post_forward_info = None  # the root's parameters are used again at once
+        self._share_with_tree()
+        self._init_names()
+        self._check_no_shared_params()
+        for state in self.tree.states:
+            if state.group is not None:
+                state.group.lazy_init()
+
+    def _collect_tree(self) -> None:
+        """The states under this one, in module order, marked as not roots."""
         seen: set[FullyShardState] = set()
         for name, module in self.module.named_modules():
             state = state_of(module)
@@ -162,14 +174,6 @@ class FullyShardState:
                 state.is_root = False
             seen.add(state)
             self.tree.states.append(state)
-        if self.auto_reshard_after_forward and self.group is not None:
-            self.group.post_forward_info = None  # the root's parameters are used again at once
-        self._share_with_tree()
-        self._init_names()
-        self._check_no_shared_params()
-        for state in self.tree.states:
-            if state.group is not None:
-                state.group.lazy_init()
 
     def _share_with_tree(self) -> None:
         for state in self.tree.states:
