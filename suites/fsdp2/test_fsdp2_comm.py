@@ -103,9 +103,10 @@ class TestFullyShardCollectiveCounts(FSDP2Test):
 
 class TestFullyShardParamRegistration(FSDP2Test):
     def test_param_registration_after_forward(self) -> None:
-        """After forward, a group that reshards holds sharded DTensors, one that does
-        not holds the unsharded parameters (plain tensors of the full shape), and an
-        int holds DTensors on the smaller mesh; after backward every group is sharded."""
+        """After forward, a group that reshards (True, or an int: the copy on the
+        smaller mesh is FSDP's own) holds its sharded DTensors on the whole mesh, one
+        that does not (False) holds plain tensors, the unsharded parameters of the
+        full shape; after backward every group is sharded."""
         self.run_subtests(
             {"reshard_after_forward": [True, False, *self._proper_divisors()]},
             self._registration,
@@ -128,6 +129,7 @@ class TestFullyShardParamRegistration(FSDP2Test):
                 self.assertEqual(param, full[name], msg=name)
             else:
                 self.assertIsInstance(param, DTensor, name)
+                self.assertEqual(param.device_mesh.size(), self.world_size, name)
         out.sum().backward()
         self._assert_sharded(model, "after backward")
 
