@@ -226,3 +226,45 @@ class TestFullyShardForwardMethods(FSDP2Test):
         ref_out.sum().backward()
         average_gradients(reference)
         check_sharded_parity(self, reference, model)
+
+
+class TestFullyShardAutogradMore(FSDP2Test):
+    def test_backward_with_a_gradient_argument(self) -> None:
+        """``out.backward(gradient)`` with a non-scalar output trains as the reference."""
+        run = lockstep(self, lambda: mlp_stack(6, depth=2), shard_each)
+        x = batch(self.rank, 0, 2, 6)
+        grad_out = batch(self.rank, 1, 2, 6)
+        for model in (run.model, run.reference):
+            model(x).backward(grad_out)
+        average_gradients(run.reference)
+        check_sharded_parity(self, run.reference, run.model)
+
+    def test_output_used_twice(self) -> None:
+        """An output entering the loss twice (through two paths) trains as the reference."""
+        run = lockstep(self, lambda: mlp_stack(6, depth=2), shard_each)
+        run.loss_fn = lambda out: (out * out).sum() + out.mean()
+        run.train(2, (2, 6))
+
+    def test_detached_branch(self) -> None:
+        """A branch of the graph detached before the loss contributes no gradient."""
+        run = lockstep(self, lambda: double_linear(), lambda m: shard_each(m, [m.lin1, m.lin2]))
+        run.loss_fn = lambda out: out[0].sum() + out[1].detach().sum()
+        run.train(2, (2, 6))
+        self.assertIsNone(run.model.lin2.weight.grad)
+
+    def test_apply_activation_checkpointing_wrapper(self) -> None:
+        """Modules wrapped by ``apply_activation_checkpointing`` (the checkpoint
+        wrapper, non-reentrant) and sharded inside train as the reference."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        def build() -> nn.Module:
+            model = mlp_stack(6, depth=2)
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MLP))
+            return model
+
+        run = lockstep(
+            self, build, lambda m: shard_each(m, [c for c in m.modules() if isinstance(c, MLP)])
+        )
+        run.train(2, (2, 6))

@@ -182,3 +182,70 @@ class TestFullyShardIgnoredParams(FSDP2Test):
             if name not in names:
                 self.assertEqual(param.full_tensor(), references[name].detach(), msg=name)
                 self.assertEqual(param.grad.full_tensor(), references[name].grad, msg=name)
+
+
+class TestFullyShardInitMore(FSDP2Test):
+    def test_reset_parameters_on_shards(self) -> None:
+        """``reset_parameters`` on a sharded module (not on meta) redraws the shards in
+        place: they stay DTensors of the same placements, and training goes on."""
+        model = mlp_stack(6, depth=2)
+        shard_each(model)
+        placements = [tuple(p.placements) for p in model.parameters()]
+        before = [p.to_local().clone() for p in model.parameters()]
+        torch.manual_seed(123 + self.rank)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        after = [p.to_local() for p in model.parameters()]
+        self.assertEqual([tuple(p.placements) for p in model.parameters()], placements)
+        self.assertNotEqual(after, before)
+        model(batch(self.rank, 0, 2, 6)).sum().backward()
+        for name, param in model.named_parameters():
+            self.assertIsInstance(param.grad, DTensor, name)
+
+    def test_meta_init_then_load_state_dict(self) -> None:
+        """A meta-device model sharded, ``to_empty``, then given a saved state dict is
+        the saved model (the first forward gives its outputs)."""
+        saved = mlp_stack(6, depth=2)
+        shard_each(saved)
+        with torch.device("meta"):
+            model = nn.Sequential(*(MLP(6) for _ in range(2)))
+        shard_each(model)
+        model.to_empty(device=self.device)
+        model.load_state_dict(saved.state_dict())
+        x = batch(self.rank, 0, 2, 6)
+        self.assertEqual(model(x), saved(x))
+
+    def test_module_without_parameters(self) -> None:
+        """``fully_shard`` on a module with no parameters of its own (all in sharded
+        children, or none at all) works and trains."""
+        self.run_subtests({"children_sharded": [True, False]}, self._no_params)
+
+    def _no_params(self, children_sharded: bool) -> None:
+        run = lockstep(
+            self,
+            lambda: nn.Sequential(mlp_stack(4, depth=1), nn.ReLU()).to(self.device),
+            lambda m: shard_each(m, [m[0], m[1]] if children_sharded else [m[1]]),
+        )
+        run.train(2, (2, 4))
+
+
+class TestFullyShardHSDPInit(FSDP2Test):
+    world_size = 4
+
+    def test_hsdp_meta_init_and_mean_gradient(self) -> None:
+        """A meta-device model on a 2x2 mesh is materialised with ``to_empty``; with a
+        loss of ``(rank + 1) * sum(w)`` every gradient is the mean of 1..4 over all
+        four ranks (replicas and shards)."""
+        mesh = self.hsdp_mesh(2)
+        with torch.device("meta"):
+            model = nn.Linear(4, 6)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device=self.device)
+        model.reset_parameters()
+        out = model(torch.zeros(1, 4, device=self.device))
+        ((self.rank + 1) * out.sum()).backward()
+        # the weight's gradient is zero (input 0); the bias's is the mean of 1..W
+        bias_grad = model.bias.grad.to_local()
+        expected = (self.world_size + 1) / 2
+        self.assertEqual(bias_grad, torch.full_like(bias_grad, expected))

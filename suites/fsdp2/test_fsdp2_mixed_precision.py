@@ -226,3 +226,52 @@ class TestFullyShardHSDPMixedPrecision(FSDP2Test):
         self.assertEqual({c.dtype for c in log.calls if not isinstance(c, str)}, {reduce_dtype})
         self.assertEqual(log.count("all_reduce"), log.count("reduce_scatter"))
         self.assertTrue(log.count("all_reduce") > 0)
+
+
+class TestFullyShardMixedPrecisionMore(FSDP2Test):
+    def test_gradient_accumulation_in_reduce_dtype(self) -> None:
+        """bf16 compute with fp32 reduction over microbatches without sync: the
+        accumulated gradient is reduced once, in fp32, and matches the reference
+        that accumulates the bf16 gradients in fp32 (BUGS.md class 1)."""
+        model = mlp_stack(8, depth=2)
+        reference = LowPrecisionReference(copy.deepcopy(model), torch.bfloat16, torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_each(model, mp_policy=policy)
+        accumulated = [torch.zeros_like(p) for p in reference.full.parameters()]
+        with CollectiveLog(("reduce_scatter",)) as log:
+            for micro in range(3):
+                model.set_requires_gradient_sync(micro == 2)
+                x = batch(self.rank, micro, 2, 8)
+                model(x).sum().backward()
+                reference.backward(x)
+                for total, param in zip(accumulated, reference.full.parameters(), strict=True):
+                    total += param.grad
+        self.assertEqual({c.dtype for c in log.of("reduce_scatter")}, {torch.float32})
+        self.assertEqual(log.count("reduce_scatter"), len(fsdp_modules(model)) - 1)
+        for param, total in zip(reference.full.parameters(), accumulated, strict=True):
+            param.grad = total
+        assert_sharded_close(self, reference.full, model, torch.bfloat16)
+
+    def test_frozen_layer_under_mixed_precision(self) -> None:
+        """A frozen layer computes in bf16 too and gets no gradient; the rest reduce
+        in the reduce dtype."""
+        model = mlp_stack(8, depth=2)
+        model[0].requires_grad_(False)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_each(model, mp_policy=policy)
+        with CollectiveLog(("reduce_scatter",)) as log:
+            model(batch(self.rank, 0, 2, 8)).sum().backward()
+        self.assertEqual(log.count("reduce_scatter"), 1)
+        for name, param in model.named_parameters():
+            self.assertEqual(param.grad is None, name.startswith("0."), name)
+
+    def test_all_gather_in_param_dtype(self) -> None:
+        """The all-gathers carry the parameters cast to ``param_dtype``."""
+        self.run_subtests({"param_dtype": [torch.float32, *LOW]}, self._all_gather_dtype)
+
+    def _all_gather_dtype(self, param_dtype: torch.dtype) -> None:
+        model = mlp_stack(8, depth=2)
+        shard_each(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+        with CollectiveLog(("all_gather",)) as log:
+            model(batch(self.rank, 0, 2, 8))
+        self.assertEqual({c.dtype for c in log.of("all_gather")}, {param_dtype})

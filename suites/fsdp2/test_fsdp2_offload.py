@@ -23,11 +23,13 @@ from suites.fsdp2.helpers import (
     FSDP2Test,
     LowPrecisionReference,
     assert_sharded_close,
+    average_gradients,
     batch,
     lockstep,
     mlp_stack,
     shard_each,
 )
+from upstream.common_fsdp import check_sharded_parity
 
 PIN_NEEDS_ACCELERATOR = (
     "CPUOffloadPolicy(pin_memory=True) pins host memory, which needs an accelerator; "
@@ -129,3 +131,33 @@ class TestFullyShardCPUOffload(FSDP2Test):
             models[0].named_parameters(), models[1].named_parameters(), strict=True
         ):
             self.assertEqual(a.to_local(), b.to_local(), msg=name)
+
+
+class TestFullyShardCPUOffloadMore(FSDP2Test):
+    def test_offload_with_gradient_accumulation(self) -> None:
+        """Microbatches without sync under offload accumulate as the reference."""
+        run = lockstep(
+            self,
+            lambda: mlp_stack(6, depth=2),
+            functools.partial(shard_each, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+        )
+        for micro in range(3):
+            run.model.set_requires_gradient_sync(micro == 2)
+            x = batch(self.rank, micro, 2, 6)
+            for model in (run.model, run.reference):
+                model(x).sum().backward()
+        average_gradients(run.reference)
+        check_sharded_parity(self, run.reference, run.model)
+
+    def test_offload_with_clip_grad_norm(self) -> None:
+        """``clip_grad_norm_`` over offloaded (CPU) DTensor gradients gives the
+        reference's norm."""
+        run = lockstep(
+            self,
+            lambda: mlp_stack(6, depth=2),
+            functools.partial(shard_each, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+        )
+        run.backward(batch(self.rank, 0, 2, 6))
+        ref_norm = torch.nn.utils.clip_grad_norm_(run.reference.parameters(), 0.5)
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 0.5)
+        self.assertEqual(norm.full_tensor().to(ref_norm.device), ref_norm)

@@ -256,3 +256,62 @@ class TestFullyShardHSDPStateDict(FSDP2Test):
         loaded[0].load_state_dict(state_dict)
         loaded[1].load_state_dict(copy.deepcopy(saved[1].state_dict()))  # see _round_trip
         assert_same_training(self, saved, loaded)
+
+
+class TestFullyShardStateDictContents(FSDP2Test):
+    def test_keys_under_nesting(self) -> None:
+        """Nested groups (children, grandchildren) keep the unsharded module's keys,
+        and the saved values load back into a model nested the same way."""
+        self.run_subtests({"nesting": ["root", "children", "linears"]}, self._nested_keys)
+
+    def _nested_keys(self, nesting: str) -> None:
+        def shard(model: nn.Module) -> None:
+            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+            groups = {"root": [], "children": list(model), "linears": linears}[nesting]
+            shard_each(model, groups)
+
+        model = mlp_stack(DIM, depth=2)
+        keys = list(model.state_dict())
+        shard(model)
+        self.assertEqual(list(model.state_dict()), keys)
+        other = mlp_stack(DIM, depth=2, seed=5)
+        shard(other)
+        other.load_state_dict(model.state_dict())
+        for (name, a), (_, b) in zip(
+            model.named_parameters(), other.named_parameters(), strict=True
+        ):
+            self.assertEqual(a.to_local(), b.to_local(), msg=name)
+
+    def test_loaded_model_gives_the_saved_outputs(self) -> None:
+        """After a load the model's forward gives the saved model's outputs."""
+        saved, _ = trained(self)
+        loaded, _ = fresh()
+        loaded.load_state_dict(saved.state_dict())
+        x = batch(self.rank, 7, 3, DIM)
+        self.assertEqual(loaded(x), saved(x))
+
+    def test_frozen_and_ignored_parameters_in_the_state_dict(self) -> None:
+        """Frozen parameters are sharded DTensors in the state dict as the others;
+        ignored ones are the plain tensors they are."""
+        model = mlp_stack(DIM, depth=2)
+        model[0].requires_grad_(False)
+        ignored = set(model[1].out_proj.parameters())
+        shard_each(model, ignored_params=ignored)
+        for key, value in model.state_dict().items():
+            self.assertEqual(isinstance(value, DTensor), not key.startswith("1.out_proj"), key)
+
+    def test_optimizer_state_dict_names_under_nesting(self) -> None:
+        """``get_optimizer_state_dict`` names every state by the parameter's name
+        whatever the grouping, with Adam's step, exp_avg and exp_avg_sq."""
+        self.run_subtests({"grouping": ["root", "children"]}, self._optim_names)
+
+    def _optim_names(self, grouping: str) -> None:
+        model = mlp_stack(DIM, depth=2)
+        shard_each(model, [] if grouping == "root" else list(model))
+        optim = torch.optim.Adam(model.parameters(), lr=LR)
+        model(batch(self.rank, 0, 2, DIM)).sum().backward()
+        optim.step()
+        state = get_optimizer_state_dict(model, optim)["state"]
+        self.assertEqual(set(state), {n for n, _ in model.named_parameters()})
+        for name, value in state.items():
+            self.assertEqual(set(value), {"step", "exp_avg", "exp_avg_sq"}, name)
