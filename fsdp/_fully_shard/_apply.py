@@ -219,11 +219,6 @@ def _shard_params(
     pin = cpu and offload.pin_memory  # type: ignore[attr-defined]
     sharded = []
     for param, location in zip(params, locations):
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"fully_shard of DTensor parameters (tensor parallelism) is not supported: "
-                f"{location.name} is a DTensor on {param.device_mesh}"
-            )
         dim = _shard_dim(param, placement_fn)
         sharded.append(ShardedParam(param, location, info, post_forward, device, dim, cpu, pin))
     return sharded

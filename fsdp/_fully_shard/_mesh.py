@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshInfo", "default_mesh", "device_of", "post_forward_mesh", "validate_mesh"]
+__all__ = [
+    "MeshInfo",
+    "default_mesh",
+    "device_of",
+    "post_forward_mesh",
+    "spmd_mesh",
+    "validate_mesh",
+]
 
 _logger = logging.getLogger("fsdp.fully_shard")
 
@@ -116,3 +123,23 @@ def _normalized(value: bool | int, shard_size: int) -> bool | int:
         )
         return False
     return True if value == shard_size else value
+
+
+def spmd_mesh(data_parallel: DeviceMesh, model_parallel: DeviceMesh) -> DeviceMesh:
+    """The mesh of a tensor-parallel parameter once sharded: the data-parallel
+    dimensions, then the model-parallel ones, sliced from the mesh both come from
+    (torch 2.13 concatenates them; torch 2.11 slices their root mesh by name)."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        mesh: DeviceMesh = concatenate([data_parallel, model_parallel])
+        return mesh
+    names = (*(data_parallel.mesh_dim_names or ()), *(model_parallel.mesh_dim_names or ()))
+    if len(names) != data_parallel.ndim + model_parallel.ndim:
+        raise AssertionError("FSDP requires named DeviceMesh dims for ND parallelism")
+    root = data_parallel._get_root_mesh()
+    if root is not model_parallel._get_root_mesh():
+        raise AssertionError(
+            "FSDP requires the DP and model parallel TP/EP mesh to have the same parent mesh "
+            f"but got: \nDP's mesh: {data_parallel}\nTP/EP's mesh: {model_parallel}"
+        )
+    return root[names]

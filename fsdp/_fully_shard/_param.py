@@ -21,6 +21,17 @@ tensor, and the moves between them.
   *post-forward parameter*: the rank's ``1/k`` part of the unsharded data on the
   post-forward mesh (fsdp._fully_shard._mesh), which backward all-gathers from.
 
+[Note: Tensor parallel parameters]
+A parameter that is already a ``DTensor`` (tensor or expert parallelism over a
+model-parallel mesh) is sharded through its local tensor, as a plain one is.
+Its sharded form is a DTensor on the data-parallel dimensions followed by the
+model-parallel ones, with ``Shard(d)`` (``_StridedShard`` where the model
+parallelism also splits dimension ``d``, so the global layout stays right)
+before its own placements; its unsharded form is the DTensor it was, and its
+gradient is brought to its own placements (a partial sum reduced over the
+model-parallel mesh) before the data-parallel reduction. Torch's rule, as the
+state dicts and checkpoints of a 2-D model depend on it.
+
 [Note: Re-reading the sharded parameter]
 ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``) and
 ``load_state_dict(assign=True)`` give the sharded DTensor a new local tensor,
@@ -39,17 +50,17 @@ autograd: ``as_dtensor``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp._fully_shard._api import MixedPrecisionPolicy
-from fsdp._fully_shard._mesh import MeshInfo
+from fsdp._fully_shard._mesh import MeshInfo, spmd_mesh
 from fsdp._storage import alloc_storage, free_storage
 
 __all__ = ["ParamLocation", "ShardedParam", "as_dtensor", "orig_uid"]
@@ -132,6 +143,7 @@ class ShardedParam:
     sharded_data: Tensor  # 1-D, padded
     sharded_param: nn.Parameter  # DTensor
     spec: DTensorSpec
+    tp_spec: DTensorSpec | None  # a tensor-parallel parameter's own spec (its unsharded form)
     post_forward_size: torch.Size | None
     post_forward_data: Tensor | None  # 1-D, while resharded to the post-forward mesh
     unsharded_data: Tensor | None  # 1-D all-gather output, from the first unshard on
@@ -182,8 +194,10 @@ class ShardedParam:
                 "FSDP does not support non-contiguous parameters yet: "
                 f"{param.shape=} {param.stride()=}"
             )
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None  # type: ignore[attr-defined]
+        data: Tensor = param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
         info, dim = self.mesh_info, self.shard_dim
-        size = param.size()
+        size = data.size()
         if dim > 0 and size[dim] % info.shard_size != 0:
             raise NotImplementedError(
                 f"FSDP does not support uneven sharding on dim {dim}: "
@@ -194,20 +208,38 @@ class ShardedParam:
         self.sharded_stride = _contiguous_stride(self.sharded_size)
         self.padded_sharded_size = _chunk_size(size, info.shard_size, 0, dim)
         rows = self.sharded_size[dim]
-        padded = param.new_zeros(self.padded_sharded_size)
+        padded = data.new_zeros(self.padded_sharded_size)
         if rows > 0:
             start = self.padded_sharded_size[dim] * info.shard_rank
-            padded.narrow(dim, 0, rows).copy_(param.detach().narrow(dim, start, rows))
+            padded.narrow(dim, 0, rows).copy_(data.detach().narrow(dim, start, rows))
         padded = self._placed(padded)
         self.sharded_data = padded.view(-1)
-        placements: tuple[Placement, ...] = (Shard(dim),)
-        if info.is_hsdp:
-            placements = (Replicate(), Shard(dim))
-        meta = TensorMeta(size, self.orig_stride, param.dtype)
-        self.spec = DTensorSpec(info.mesh, placements, tensor_meta=meta)
+        self.spec = self._sharded_spec(param)
         local = padded.narrow(dim, 0, rows)
         self.sharded_param = nn.Parameter(as_dtensor(local, self.spec), param.requires_grad)
         self.location.set(self.sharded_param)
+
+    def _sharded_spec(self, param: nn.Parameter) -> DTensorSpec:
+        """``Shard(d)`` on the mesh (after ``Replicate()`` on an HSDP mesh); a
+        tensor-parallel parameter's mesh and placements follow (see [Note: Tensor
+        parallel parameters])."""
+        info, dim = self.mesh_info, self.shard_dim
+        tp = self.tp_spec
+        data_parallel: Placement = Shard(dim)
+        if tp is not None and tp.num_shards_map[dim] > 1:
+            data_parallel = _StridedShard(dim, split_factor=tp.num_shards_map[dim])
+        placements: tuple[Placement, ...] = (data_parallel,)
+        if info.is_hsdp:
+            placements = (Replicate(), data_parallel)
+        if tp is None:
+            meta = TensorMeta(param.size(), param.stride(), param.dtype)
+            return DTensorSpec(info.mesh, placements, tensor_meta=meta)
+        if len(tp.placements) > 2:
+            raise NotImplementedError(
+                f"FSDP only supports 1D TP/EP or 2D EP+TP, not {tp.placements}"
+            )
+        mesh = spmd_mesh(info.mesh, tp.mesh)
+        return DTensorSpec(mesh, (*placements, *tp.placements), tensor_meta=tp.tensor_meta)
 
     def _placed(self, padded: Tensor) -> Tensor:
         if not self.offload or padded.is_meta:
@@ -234,7 +266,18 @@ class ShardedParam:
 
     @torch.no_grad()
     def reset_sharded_param(self) -> None:
-        """See [Note: Re-reading the sharded parameter]."""
+        """See [Note: Tensor parallel parameters]
+        A parameter that is already a ``DTensor`` (tensor or expert parallelism over a
+        model-parallel mesh) is sharded through its local tensor, as a plain one is.
+        Its sharded form is a DTensor on the data-parallel dimensions followed by the
+        model-parallel ones, with ``Shard(d)`` (``_StridedShard`` where the model
+        parallelism also splits dimension ``d``, so the global layout stays right)
+        before its own placements; its unsharded form is the DTensor it was, and its
+        gradient is brought to its own placements (a partial sum reduced over the
+        model-parallel mesh) before the data-parallel reduction. Torch's rule, as the
+        state dicts and checkpoints of a 2-D model depend on it.
+
+        [Note: Re-reading the sharded parameter]."""
         param = self.location.get()
         self.sharded_param = param
         local: Tensor = param._local_tensor  # type: ignore[attr-defined]
@@ -291,7 +334,13 @@ class ShardedParam:
         return data
 
     def _init_unsharded_param(self, data: Tensor) -> None:
-        view = torch.as_strided(data, self.orig_size, self.orig_stride, 0)
+        view: Tensor = torch.as_strided(data, self.orig_size, self.orig_stride, 0)
+        tp = self.tp_spec
+        if tp is not None:  # the tensor-parallel DTensor it was, in the all-gather dtype
+            meta = tp.tensor_meta
+            if meta is not None and meta.dtype != data.dtype:
+                tp = replace(tp, tensor_meta=TensorMeta(meta.shape, meta.stride, data.dtype))
+            view = as_dtensor(view, tp)
         self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
 
     # ------------------------------------------------------------ moves
@@ -311,6 +360,10 @@ class ShardedParam:
         self.post_forward_data = None
 
     def to_sharded_post_forward(self) -> None:
+        if self.tp_spec is not None:
+            raise NotImplementedError(
+                "Resharding to smaller mesh is not supported for DTensor parameters yet"
+            )
         info, data = self.post_forward_info, self.unsharded_data
         assert info is not None and data is not None and self.post_forward_size is not None
         numel = data.numel() // info.shard_size
@@ -333,13 +386,24 @@ class ShardedParam:
         grad = self.accumulated_grad
         if grad is not None:
             self.accumulated_grad = None
-            return grad
+            return self._local_grad(grad)
         unsharded = self.unsharded_param
         if unsharded is None or unsharded.grad is None:
             return None
         grad = unsharded.grad
         unsharded.grad = None
-        return grad
+        return self._local_grad(grad)
+
+    def _local_grad(self, grad: Tensor) -> Tensor:
+        """A tensor-parallel gradient in the parameter's own placements (a partial
+        sum is reduced over the model-parallel mesh first), as its local tensor."""
+        if not isinstance(grad, DTensor):
+            return grad
+        assert self.tp_spec is not None
+        if grad.placements != self.tp_spec.placements:
+            grad = grad.redistribute(placements=self.tp_spec.placements)
+        local: Tensor = grad._local_tensor  # type: ignore[attr-defined]
+        return local
 
     def accumulate_unsharded_grad(self) -> None:
         """Adds this backward's gradient to the one kept from earlier backwards
@@ -363,7 +427,7 @@ class ShardedParam:
 
     def zero_unsharded_grad(self) -> Tensor:
         assert self.unsharded_param is not None
-        return torch.zeros_like(self.unsharded_param)
+        return self._local_grad(torch.zeros_like(self.unsharded_param))
 
     def set_sharded_grad(self, shard: Tensor) -> None:
         """Adds the reduced gradient shard to the sharded parameter's gradient, or

@@ -173,6 +173,11 @@ class ParamGroup:
         return self._residence.state is Residence.UNSHARDED
 
     @property
+    def _module_fqn(self) -> str:
+        """torch's name for ``fqn``: upstream's seam replacements read it."""
+        return self.fqn
+
+    @property
     def offloads(self) -> bool:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
 

@@ -1,7 +1,8 @@
 """Misuse of ``fully_shard`` gets torch's error (type and message, checked on
 torch's ``fully_shard`` too) and leaves the process usable: applied twice, a
 parameter tied across groups, a child run before its root, parameters and
-meshes it cannot shard, and calls that undo the parameters during forward."""
+meshes it cannot shard (a tensor-parallel mesh foreign to the data-parallel
+one), and calls that undo the parameters during forward."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.torch_version import TorchVersion
 
 from harness import DistributedTest
@@ -109,16 +110,18 @@ class TestFullyShardErrors(DistributedTest):
             self, [broken, fresh], steps=2, inputs=lambda step: local_batch(self, step, features=4)
         )
 
-    def test_dtensor_parameters_are_refused(self) -> None:
-        """A parameter that is already a DTensor (tensor parallelism over another
-        mesh) is refused with a clear error: this fully_shard shards plain tensors."""
-        net = nn.Linear(4, 4).to(self.device)
-        tp_mesh = init_device_mesh(self.device.type, (self.world_size,))
-        net.weight = nn.Parameter(distribute_tensor(net.weight.detach(), tp_mesh, [Shard(0)]))
-        with self.assertRaisesRegex(NotImplementedError, "DTensor parameters"):
-            OURS.fully_shard(net)
-        self.assertTrue(isinstance(net.weight, DTensor))
-        self.assertEqual(net.weight.placements, (Shard(0),))
+    def test_tensor_parallel_mesh_not_from_the_same_root(self) -> None:
+        """A tensor-parallel parameter whose mesh and the data-parallel mesh do not
+        come from one device mesh is refused (both meshes span the same ranks)."""
+
+        def misuse(api: SimpleNamespace) -> None:
+            net = nn.Linear(4, 4).to(self.device)
+            tp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("tp",))
+            dp_mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+            net.weight = nn.Parameter(distribute_tensor(net.weight.detach(), tp_mesh, [Shard(0)]))
+            api.fully_shard(net, mesh=dp_mesh)
+
+        self._both_raise(RuntimeError, "Cannot concatenate", misuse)
 
 
 def _twice(api: SimpleNamespace) -> None:

@@ -1,6 +1,7 @@
 """Our ``fully_shard`` trains as torch's does, bit for bit, and as DDP does: on
 1-D meshes of 1, 2, 3 and 4 ranks (uneven shards, a rank with an empty shard),
-every ``reshard_after_forward``, mixed precision, and HSDP on a 2 x 2 mesh; and
+every ``reshard_after_forward``, mixed precision, HSDP on a 2 x 2 mesh and
+tensor parallelism within data parallelism (2 x 2); and
 it issues the same collectives per step (one all-gather and one reduce-scatter
 per parameter group, of the same sizes and dtypes)."""
 
@@ -16,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp._fully_shard import MixedPrecisionPolicy, fully_shard
@@ -192,4 +194,41 @@ class TestParityFourRanks(_ParityTests):
     torch_configs = ((True, "fp32"), (2, "fp32"), (2, "bf16"), (None, "fp16-reduce-fp32"))
 
     def _cases(self) -> list[tuple[str, Any]]:
-        return [*super()._cases(), ("hsdp", "fp32"), ("hsdp", "fp16-reduce-fp32")]
+        hsdp = [("hsdp", "fp32"), ("hsdp", "fp16-reduce-fp32")]
+        return [*super()._cases(), *hsdp, ("tensor-parallel", "fp32"), ("tensor-parallel", "bf16")]
+
+    def _check(self, case: tuple[str, Any]) -> None:
+        if case[0] == "tensor-parallel":
+            self._check_tensor_parallel(case[1])
+        else:
+            super()._check(case)
+
+    def _check_tensor_parallel(self, precision: str) -> None:
+        """2 x 2 (data x tensor parallel): column- then row-wise linear layers
+        sharded over the data-parallel mesh: the placements (a strided shard where
+        both split the rows), losses and gradients are torch's exactly."""
+        mesh = init_device_mesh(self.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        models = []
+        for shard_fn, policy in (
+            (fully_shard, MixedPrecisionPolicy),
+            (torch_fully_shard, TorchMixedPrecision),
+        ):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(self.device)
+            parallelize_module(net, mesh["tp"], plan)
+            models.append(
+                shard_fn(net, mesh=mesh["dp"], mp_policy=policy(**_PRECISIONS[precision]))
+            )
+        dp_rank = mesh["dp"].get_local_rank()
+        for step in range(3):
+            x = batch(step, 2, self.device, features=8)[4 * dp_rank : 4 * dp_rank + 4]
+            losses = [loss_of(m, x) for m in models]
+            for loss in losses:
+                loss.backward()
+            self.assertEqual(losses[0], losses[1], atol=0, rtol=0)
+            for ours, theirs in zip(models[0].parameters(), models[1].parameters()):
+                self.assertEqual(ours.placements, theirs.placements)
+                self.assertEqual(ours.to_local(), theirs.to_local(), atol=0, rtol=0)
+                self.assertEqual(ours.grad.to_local(), theirs.grad.to_local(), atol=0, rtol=0)
+                ours.grad = theirs.grad = None
