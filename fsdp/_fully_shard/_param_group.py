@@ -348,6 +348,13 @@ class ParamGroup:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not torch.is_grad_enabled():
             return args, kwargs
+        if not kwargs and all(type(a) is Tensor for a in args):  # the common case, in one pass
+            if not any(a.requires_grad for a in args):
+                return args, kwargs
+            wrapped_args = iter(
+                RegisterPostBackwardFunction.apply(self, *(a for a in args if a.requires_grad))
+            )
+            return tuple(next(wrapped_args) if a.requires_grad else a for a in args), kwargs
         needing: list[Tensor] = []
 
         def collect(t: Tensor) -> Tensor:
