@@ -288,6 +288,7 @@ class ReduceSpec(NamedTuple):
     all_reduce: bool  # HSDP: all-reduce across replicas now (else keep the partial sum)
     sum_only: bool  # set_force_sum_reduction_for_comms, or a backend without PREMUL_SUM
     hook: Callable[[Tensor], None] | None  # set_all_reduce_hook: on the reduced output
+    hook_stream: torch.cuda.Stream | None  # the stream the hook runs on (else the reduce stream)
     comms: Comms
 
 
@@ -320,12 +321,27 @@ def reduce_grads(
                 out += partial
             _comm.all_reduce(out, groups.replicate, division.all_reduce_op)
         if spec.hook is not None:
-            spec.hook(out)
+            _run_hook(spec.hook, out, spec.hook_stream)
         _div(out, division.post)
         if spec.orig_dtype is not None and out.dtype != spec.orig_dtype:
             out = out.to(spec.orig_dtype)
         _view_out(params, out, padded, world)
     return None
+
+
+def _run_hook(
+    hook: Callable[[Tensor], None], out: Tensor, stream: torch.cuda.Stream | None
+) -> None:
+    """The user's all-reduce hook on the reduced output, on its own stream if it
+    gave one (ordered after the reduction and before what follows it)."""
+    if stream is None or out.device.type != "cuda":
+        hook(out)
+        return
+    reduce = torch.cuda.current_stream(out.device)
+    stream.wait_stream(reduce)
+    with torch.cuda.stream(stream):
+        hook(out)
+    reduce.wait_stream(stream)
 
 
 def _chunked_copy(

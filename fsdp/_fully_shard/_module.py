@@ -159,11 +159,14 @@ class FSDPModule:
         self, hook: Callable[[Tensor], None], *, stream: torch.cuda.Stream | None = None
     ) -> None:
         """``hook(output)`` runs on each reduced gradient buffer (after the HSDP
-        all-reduce, or after the reduce-scatter), before the final division."""
+        all-reduce, or after the reduce-scatter), before the final division; on
+        ``stream`` when given (not with HSDP), else on the reduce stream."""
         for group in self._groups():
-            if stream is not None and group.mesh_info.is_hsdp:
-                raise ValueError("stream cannot be set when using native HSDP")
             group.all_reduce_hook = hook
+            if stream is not None:
+                if group.mesh_info.is_hsdp:
+                    raise ValueError("stream cannot be set when using native HSDP")
+                group.all_reduce_hook_stream = stream
 
     # ------------------------------------------------------------ prefetch and streams
 

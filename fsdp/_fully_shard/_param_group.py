@@ -103,6 +103,7 @@ class ParamGroup:
     unshard_in_backward: bool
     unshard_async_op: bool
     all_reduce_hook: Callable[[Tensor], None] | None
+    all_reduce_hook_stream: torch.cuda.Stream | None
     comms: Comms
     reduce_scatter_group: ProcessGroup | None  # set_separate_reduce_scatter_group
     reduce_scatter_max_input_buffers: int
@@ -140,7 +141,7 @@ class ParamGroup:
         self.gradient_divide_factor = None
         self.reduce_scatter_unused_params = self.force_sum_reduction_for_comms = False
         self.unshard_in_backward, self.unshard_async_op = True, False
-        self.all_reduce_hook = None
+        self.all_reduce_hook = self.all_reduce_hook_stream = None
         self.comms = Comms()
         self.reduce_scatter_group = None
         self.reduce_scatter_max_input_buffers = 1
@@ -442,6 +443,7 @@ class ParamGroup:
             self.all_reduce_grads,
             sum_only,
             self.all_reduce_hook,
+            self.all_reduce_hook_stream,
             self.comms,
         )
         with profiler_label(self._label("FSDP::post_backward_reduce")):
