@@ -18,9 +18,11 @@ before a rank takes the baseline its per-test isolation restores to, so it holds
 for the whole session. Nothing on disk is changed (the virtualenv is shared).
 
 [Note: A bug is killed]
-A bug is killed when the session over its target suites exits with pytest's
-``TESTS_FAILED`` (1): some test failed. Any other status (a usage error, an
-internal error, an interrupted session) is reported as such, not as a kill. The
+A bug is killed when the session over its target suites reports a failed test
+(or subtest) and exits with pytest's ``TESTS_FAILED`` (1), or with
+``INTERRUPTED`` (2), which is how pytest-xdist ends a session that ``-x`` stopped.
+Any other end (a usage or internal error, an interruption without a failure) is
+reported as such, not as a kill. The
 baseline, the same targets with no bug planted, must exit 0 under
 ``--fsdp-impl torch``, or the kills mean nothing (``run`` runs it last and says so).
 Each bug names the BUGS.md class it belongs to and the suite files expected to kill
@@ -324,8 +326,11 @@ if os.environ.get({env!r}):
     import importlib.util
     _spec = importlib.util.spec_from_file_location("fsdp2_planted_bugs", {path!r})
     _bugs = importlib.util.module_from_spec(_spec)
+    import sys
+    sys.modules["fsdp2_planted_bugs"] = _bugs  # dataclasses look their module up there
     _spec.loader.exec_module(_bugs)
     _bugs.plant(os.environ[{env!r}])
+    os.environ[{env!r} + "_DONE"] = os.environ[{env!r}]
 """
 
 
@@ -381,11 +386,22 @@ def _session(
     return result.returncode, (failures[0] if failures else ""), time.monotonic() - started
 
 
+def _planted(env: dict[str, str], name: str) -> bool:
+    """Whether a Python process of the environment starts with ``name`` planted."""
+    probe = f"import os; print(os.environ.get({BUG_ENV + '_DONE'!r}))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, BUG_ENV: name}, capture_output=True, text=True
+    )
+    return result.stdout.strip() == name
+
+
 def run(names: list[str], workers: int, world_size: int) -> list[Outcome]:
     outcomes = []
     with _planting_environment() as env:
         for name in names:
             bug = BUGS[name][0]
+            if not _planted(env, name):
+                raise SystemExit(f"{name} could not be planted (see its sitecustomize error)")
             status, failure, seconds = _session(env, name, bug.targets, workers, world_size)
             outcome = Outcome(
                 name,

@@ -308,3 +308,18 @@ def assert_sharded_close(
         if ref.grad is not None:
             case.assertEqual(ours.grad.dtype, ref.dtype, msg=f"{name}.grad dtype")
             case.assertEqual(ours.grad.full_tensor(), ref.grad, msg=f"{name}.grad", **tol)
+
+
+def groups_with_parameters(model: nn.Module) -> int:
+    """How many ``fully_shard`` calls in ``model`` manage at least one parameter (a
+    parameter belongs to the innermost sharded module holding it)."""
+    count = 0
+    for module in fsdp_modules(model):
+        inner = {
+            id(p)
+            for sub in module.modules()
+            if sub is not module and isinstance(sub, FSDPModule)
+            for p in sub.parameters()
+        }
+        count += any(id(p) not in inner for p in module.parameters())
+    return count

@@ -21,7 +21,7 @@ from suites.fsdp2.helpers import (
     FSDP2Test,
     average_gradients,
     batch,
-    fsdp_modules,
+    groups_with_parameters,
     lockstep,
     shard_each,
 )
@@ -40,8 +40,10 @@ def linear_chain(dim: int, depth: int, bias: bool = True) -> nn.Sequential:
 
 
 def group(model: nn.Sequential, grouping: str, **kwargs: object) -> None:
-    """``root``: one group; ``children``: a group per layer but the last (the root's)."""
-    shard_each(model, [] if grouping == "root" else list(model)[:-1], **kwargs)
+    """``root``: one group; ``children``: a group per layer but the last (the
+    root's); ``each``: a group per layer and a root without parameters."""
+    children = {"root": [], "children": list(model)[:-1], "each": list(model)}[grouping]
+    shard_each(model, children, **kwargs)
 
 
 class CastingLinear(nn.Linear):
@@ -95,10 +97,10 @@ class TestFullyShardGradientMatrix(FSDP2Test):
             self.assertEqual(grad, torch.full_like(grad, expected), msg=name)
 
     def test_uneven_training_matrix(self) -> None:
-        """A single linear of every row count from 1 to 9 (fewer rows than ranks,
+        """A single linear of every row count from 1 to 13 (fewer rows than ranks,
         primes, multiples) trains as the reference with SGD and Adam."""
         self.run_subtests(
-            {"rows": list(range(1, 10)), "optim": [torch.optim.SGD, torch.optim.Adam]},
+            {"rows": list(range(1, 14)), "optim": [torch.optim.SGD, torch.optim.Adam]},
             self._uneven,
         )
 
@@ -152,7 +154,7 @@ class TestFullyShardPolicyMatrix(FSDP2Test):
                 "reduce_dtype": [None, torch.float32, torch.bfloat16],
                 "output_dtype": [None, torch.float32, torch.bfloat16],
                 "cast_forward_inputs": [True, False],
-                "grouping": ["root", "children"],
+                "grouping": ["root", "children", "each"],
             },
             self._dtypes,
         )
@@ -191,9 +193,9 @@ class TestFullyShardStructureMatrix(FSDP2Test):
         self.run_subtests(
             {
                 "depth": [1, 2, 3],
-                "dim": [1, 3, 5],
+                "dim": [1, 2, 3, 5],
                 "reshard_after_forward": [True, False],
-                "grouping": ["root", "children"],
+                "grouping": ["root", "children", "each"],
             },
             self._registration,
         )
@@ -229,7 +231,7 @@ class TestFullyShardStructureMatrix(FSDP2Test):
     def _counts(self, depth: int, reshard_after_forward: bool, grouping: str) -> None:
         model = linear_chain(3, depth)
         group(model, grouping, reshard_after_forward=reshard_after_forward)
-        groups = len(fsdp_modules(model))
+        groups = groups_with_parameters(model)
         with CollectiveLog(("all_gather", "reduce_scatter")) as log:
             out = model(batch(self.rank, 0, 2, 3))
             self.assertEqual(log.count("all_gather"), groups)
