@@ -22,8 +22,7 @@ A bug is killed when the session over its target suites reports a failed test
 (or subtest) and exits with pytest's ``TESTS_FAILED`` (1), or with
 ``INTERRUPTED`` (2), which is how pytest-xdist ends a session that ``-x`` stopped.
 Any other end (a usage or internal error, an interruption without a failure) is
-reported as such, not as a kill. The
-baseline, the same targets with no bug planted, must exit 0 under
+reported as such, not as a kill. The baseline, the same targets with no bug planted, must exit 0 under
 ``--fsdp-impl torch``, or the kills mean nothing (``run`` runs it last and says so).
 Each bug names the BUGS.md class it belongs to and the suite files expected to kill
 it; ``-x`` stops a session at its first failure, whose test id is recorded.
@@ -409,7 +408,7 @@ def run(names: list[str], workers: int, world_size: int) -> list[Outcome]:
                 bug.bugs_class,
                 bug.targets,
                 status,
-                status == 1,
+                status in (1, 2) and bool(failure),
                 failure,
                 round(seconds, 1),
             )
