@@ -166,3 +166,99 @@ class ViewOutput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x).view(-1)
+
+
+class TestFullyShardRefusalsLeaveNoTrace(FSDP2Test):
+    def test_refused_fully_shard_leaves_the_module_as_it_was(self) -> None:
+        """After ``fully_shard`` refuses an argument the module keeps its class and its
+        plain parameters, and still runs. (A second, valid ``fully_shard`` on it is
+        not asked: torch's marks the module as applied before it validates, and
+        refuses the retry as a second application.)"""
+        self.run_subtests({"bad": ["reshard_int", "reshard_type", "mesh_3d"]}, self._refused)
+
+    def _refused(self, bad: str) -> None:
+        model = MLP(4).to(self.device)
+        kwargs: dict[str, object] = {
+            "reshard_int": {"reshard_after_forward": self.world_size + 1},
+            "reshard_type": {"reshard_after_forward": "yes"},
+            "mesh_3d": {
+                "mesh": init_device_mesh(
+                    self.device_type, (1, 1, self.world_size), mesh_dim_names=("a", "b", "c")
+                )
+            },
+        }[bad]
+        with self.assertRaises((ValueError, AssertionError)):
+            fully_shard(model, **kwargs)
+        self.assertEqual(type(model), MLP)
+        for name, param in model.named_parameters():
+            self.assertFalse(isinstance(param, torch.distributed.tensor.DTensor), name)
+        model(batch(self.rank, 0, 2, 4)).sum().backward()
+
+    def test_every_valid_reshard_after_forward_is_accepted(self) -> None:
+        """True, False, and every divisor of the world size above 1 are accepted,
+        and the model then trains a step."""
+        values = [
+            True,
+            False,
+            *(d for d in range(2, self.world_size + 1) if self.world_size % d == 0),
+        ]
+        self.run_subtests({"reshard_after_forward": values}, self._accepted)
+
+    def _accepted(self, reshard_after_forward: bool | int) -> None:
+        model = mlp_stack(4, depth=2)
+        shard_each(model, reshard_after_forward=reshard_after_forward)
+        model(batch(self.rank, 0, 2, 4)).sum().backward()
+
+
+class TestFullyShardBeforeFirstForward(FSDP2Test):
+    def test_methods_before_the_first_forward(self) -> None:
+        """The ``FSDPModule`` setters, ``state_dict`` and ``reshard`` work before the
+        first forward, and the model then gives the unsharded copy's outputs."""
+        self.run_subtests(
+            {
+                "call": [
+                    "state_dict",
+                    "reshard",
+                    "set_requires_gradient_sync",
+                    "set_reshard_after_backward",
+                    "set_is_last_backward",
+                ]
+            },
+            self._before,
+        )
+
+    def _before(self, call: str) -> None:
+        model = mlp_stack(4, depth=2)
+        reference = copy.deepcopy(model)
+        shard_each(model)
+        if call == "state_dict":
+            self.assertEqual(sorted(model.state_dict()), sorted(reference.state_dict()))
+        elif call == "reshard":
+            model.reshard()
+        else:
+            getattr(model, call)(True)
+        x = batch(self.rank, 0, 2, 4)
+        self.assertEqual(model(x), reference(x))
+
+    def test_unshard_before_the_first_forward(self) -> None:
+        """``unshard()`` before any forward gathers the full parameters (lazy
+        initialisation happens there); the forward then gives the copy's output."""
+        model = mlp_stack(4, depth=2)
+        reference = copy.deepcopy(model)
+        shard_each(model)
+        for mlp in model:
+            mlp.unshard()
+        self.assertEqual(model[0].in_proj.weight, reference[0].in_proj.weight)
+        x = batch(self.rank, 0, 2, 4)
+        self.assertEqual(model(x), reference(x))
+
+    def test_two_separate_roots_train(self) -> None:
+        """Two models sharded separately, each its own root, run forward in turns."""
+        models = [mlp_stack(4, depth=2, seed=s) for s in (0, 1)]
+        references = [copy.deepcopy(m) for m in models]
+        for model in models:
+            shard_each(model)
+        for step in range(2):
+            for model, reference in zip(models, references, strict=True):
+                x = batch(self.rank, step, 2, 4)
+                self.assertEqual(model(x), reference(x))
