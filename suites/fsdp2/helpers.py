@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP2_SEAMS, FSDPModule, fully_shard
+from fsdptest.api import FSDP2, FSDP2_SEAMS, FSDPModule, fully_shard
 from harness import current_device
 from models import MLP
 from upstream.common_fsdp import check_sharded_parity
@@ -323,3 +323,26 @@ def groups_with_parameters(model: nn.Module) -> int:
         }
         count += any(id(p) not in inner for p in module.parameters())
     return count
+
+
+def has_an_empty_shard(model: nn.Module, world_size: int) -> bool:
+    """Whether some rank's shard of some parameter is empty (dim 0 chunked like
+    ``torch.chunk``: 4 rows over 3 ranks are 2, 2, 0)."""
+    return any(
+        len(torch.empty(p.shape[0]).chunk(world_size)) < world_size for p in model.parameters()
+    )
+
+
+def skip_inf_norm_of_an_empty_shard(norm_type: float, model: nn.Module, world_size: int) -> None:
+    """Skips, on every rank alike, an inf-norm clip that torch's FSDP2 cannot do
+    (``FSDP2.known_defects.inf_norm_with_an_empty_shard``)."""
+    if (
+        norm_type == float("inf")
+        and FSDP2.known_defects.inf_norm_with_an_empty_shard
+        and has_an_empty_shard(model, world_size)
+    ):
+        pytest.skip(
+            "clip_grad_norm_(norm_type=inf) of torch's FSDP2 raises on a rank whose shard is "
+            "empty (linalg.vector_norm has no inf norm of an empty tensor) while the others "
+            "wait in the reduction: a known defect, not asked"
+        )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdptest.api import fully_shard, register_fsdp_forward_method
+from fsdptest.api import FSDP2, fully_shard, register_fsdp_forward_method
 from models import MLP
 from suites.fsdp2.helpers import FSDP2Test, batch, mlp_stack, shard_each
 
@@ -171,9 +171,9 @@ class ViewOutput(nn.Module):
 class TestFullyShardRefusalsLeaveNoTrace(FSDP2Test):
     def test_refused_fully_shard_leaves_the_module_as_it_was(self) -> None:
         """After ``fully_shard`` refuses an argument the module keeps its class and its
-        plain parameters, and still runs. (A second, valid ``fully_shard`` on it is
-        not asked: torch's marks the module as applied before it validates, and
-        refuses the retry as a second application.)"""
+        plain parameters, still runs, and a corrected call shards it (torch's refuses
+        that call, having marked the module as applied before validating: asserted,
+        ``FSDP2.known_defects.marks_module_before_validating``)."""
         self.run_subtests({"bad": ["reshard_int", "reshard_type", "mesh_3d"]}, self._refused)
 
     def _refused(self, bad: str) -> None:
@@ -192,6 +192,12 @@ class TestFullyShardRefusalsLeaveNoTrace(FSDP2Test):
         self.assertEqual(type(model), MLP)
         for name, param in model.named_parameters():
             self.assertFalse(isinstance(param, torch.distributed.tensor.DTensor), name)
+        model(batch(self.rank, 0, 2, 4)).sum().backward()
+        if FSDP2.known_defects.marks_module_before_validating:
+            with self.assertRaisesRegex(AssertionError, "can only be applied to a module once"):
+                fully_shard(model)
+            return
+        fully_shard(model)
         model(batch(self.rank, 0, 2, 4)).sum().backward()
 
     def test_every_valid_reshard_after_forward_is_accepted(self) -> None:
