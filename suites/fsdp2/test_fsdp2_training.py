@@ -366,8 +366,11 @@ class TestFullyShardGradientArithmetic(FSDP2Test):
 
     def test_every_rank_shard_changes(self) -> None:
         """After one step every rank's non-empty shard of every trained parameter
-        has changed (no rank's shard is left out of the update)."""
-        model = mlp_stack(8)
+        has changed (no rank's shard is left out of the update). Linear layers
+        without activations, so that no output unit is dead and every gradient row
+        is non-zero."""
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).to(self.device)
         shard_each(model)
         before = {n: p.to_local().clone() for n, p in model.named_parameters()}
         optim = torch.optim.SGD(model.parameters(), lr=1.0)
