@@ -480,10 +480,10 @@ class FlatParamHandle:
     def prefetch_for_forward(self, full_precision: bool) -> None:
         """Forward prefetch: unshards now and shows forward's ``Tensor`` views (see
         [Note: Forward prefetch shows the views at once]); also where the data is
-        at hand already (``NO_SHARD``, kept since forward), as torch's does."""
+        at hand already (``NO_SHARD``, kept since forward), as torch's does; never
+        as inference tensors ([Note: Views are made with autograd on])."""
         self.prefetch.move(Prefetch.GATHERED)
         self.storage.force_full_precision = full_precision
-        # Not as inference tensors: see [Note: Views are made with autograd on].
         with profiler_label("FSDP::prefetch"), torch.inference_mode(False):
             self.unshard()
             self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
