@@ -478,10 +478,9 @@ class FlatParamHandle:
         self.unshard_for_compute()
 
     def prefetch_for_forward(self, full_precision: bool) -> None:
-        """Forward prefetch: unshards now and shows forward's ``Tensor`` views (see
-        [Note: Forward prefetch shows the views at once]); also where the data is
-        at hand already (``NO_SHARD``, kept since forward), as torch's does; never
-        as inference tensors ([Note: Views are made with autograd on])."""
+        """Forward prefetch: unshards now and shows forward's ``Tensor`` views, never
+        inference tensors ([Note: Forward prefetch shows the views at once], [Note: Views
+        are made with autograd on]), also where the data is at hand (``NO_SHARD``)."""
         self.prefetch.move(Prefetch.GATHERED)
         self.storage.force_full_precision = full_precision
         with profiler_label("FSDP::prefetch"), torch.inference_mode(False):
