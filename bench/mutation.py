@@ -4,7 +4,7 @@ Usage (from the checkout root, with the project's virtualenv active)::
 
     python bench/mutation.py prepare --workdir /tmp/fsdp-mutation --mutants 100 --seed 19
     python bench/mutation.py run --workdir /tmp/fsdp-mutation       # hours on 2 cores
-    python bench/mutation.py report --workdir /tmp/fsdp-mutation --json docs/mutation.json
+    python bench/mutation.py report --workdir /tmp/fsdp-mutation --json docs/runs/mutation-results.json
 
 [Note: Why cosmic-ray, in a scratch copy]
 The suites spawn rank processes that import ``fsdp`` from the checkout. cosmic-ray
@@ -32,7 +32,7 @@ give the same sample in every prepared copy, so the shards are its disjoint
 parts. (Keyed on cosmic-ray's job ids, which are random per ``cosmic-ray
 init``, as in the first version of this script, each copy drew a sample of its
 own: the shards of the run of 2026-11-26 overlap in two mutants and miss
-others; docs/mutation.md.)
+others; docs/runs/mutation.md.)
 
 [Note: Mutants that cannot change behaviour are not sampled]
 Before sampling, ``prepare`` marks as skipped (``not sampled: unobservable``)
@@ -65,7 +65,7 @@ Python (``{**a, **b}``'s unpacking ``**`` taken for a power and replaced by
 gate: ``report`` compiles each mutant that ran and reports one that does not
 compile as ``incompetent``, outside the kill rate, and ``prepare`` draws each
 file's mutants in a seeded order and keeps the first that compile (the run of
-2026-11-26 was sampled before this check: docs/mutation.md).
+2026-11-26 was sampled before this check: docs/runs/mutation.md).
 
 The conformance search runs as a survey (``--conformance-survey``): every one
 of its derandomized scenarios runs and the test fails at the end if any failed,
@@ -548,7 +548,7 @@ def retest(args: argparse.Namespace) -> None:
 # counted as killed. Where the hunk's context changed, its changed lines alone are
 # tried (again: exactly once); where the mutated code was rewritten, the mutant is
 # ported by hand to the same change of today's code (``--ported``,
-# docs/mutation-ported.json, each with why it is the same mutant).
+# docs/runs/mutation-ported.json, each with why it is the same mutant).
 
 
 def _hunk_texts(diff: str) -> tuple[str, str]:

@@ -22,7 +22,7 @@ A ``NO_SHARD`` unit whose group is one rank (FSDP on one rank, or a user's
 one-rank group) holds the whole gradient already: an all-reduce over one rank
 returns its input. Torch's FSDP still calls it; on NCCL each call costs about
 0.1 ms of host time, for every unit and step, which is most of what one GPU
-pays for FSDP's reduction of a many-unit model (docs/benchmarks.md). It is
+pays for FSDP's reduction of a many-unit model (docs/runs/benchmarks.md). It is
 skipped; a communication hook still gets the gradient (the hook is the user's).
 """
 

@@ -4,7 +4,7 @@ depend on the GPU's pace.
 [Note: Skipping what torch races on]
 A defect that shows every time is asserted (``fsdptest.limitations``); a race
 cannot be: the same check passes with a GPU to itself and fails on a GPU shared
-by two tests (``--gpu-slots 2``, docs/gpu-runs.md runs 58–60). Each check that
+by two tests (``--gpu-slots 2``, docs/runs/gpu-runs.md runs 58–60). Each check that
 such a race reaches skips under torch's FSDP on accelerator ranks, visibly, the
 reason naming the defect:
 

@@ -202,7 +202,7 @@ class _CudaLedger:
     frees of earlier blocks come later: NCCL keeps a finished collective's tensors
     until its watchdog or the next collective on the group lets them go, and a
     busy GPU (tests sharing it) delays both (a mark 656 bytes short on two H100s
-    shared by four tests each, docs/gpu-runs.md run 74). So from the entry the
+    shared by four tests each, docs/runs/gpu-runs.md run 74). So from the entry the
     allocator records its actions (``torch.cuda.memory._record_memory_history``,
     without stacks); the entry's count and each mark's are the requested sizes of
     the live blocks of a snapshot, and a mark adds back those of the entry's

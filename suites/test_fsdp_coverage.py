@@ -264,7 +264,7 @@ class _MemoryAndAllGathers(FSDPTest):
         """[Note: An unmeasured round first]
         On NCCL ranks the first measured configuration of a pooled rank has
         measured up to five 1.27 kB blocks fewer after forward than expected
-        (docs/gpu-runs.md, runs 24–28 and 36): bytes an earlier test left that
+        (docs/runs/gpu-runs.md, runs 24–28 and 36): bytes an earlier test left that
         were freed during the measured forward, although the meter's baseline
         waited for the count to hold still; every later configuration, which
         follows one on the same groups, measured exactly. One round of the

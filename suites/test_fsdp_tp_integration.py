@@ -291,7 +291,7 @@ class TestTPFSDPIntegration(FSDPTest):
                 mesh_2d,
             )
         if torch_swaps and self.device.type == "cpu":
-            # on accelerator ranks the aliasing comes and goes between runs (docs/gpu-runs.md,
+            # on accelerator ranks the aliasing comes and goes between runs (docs/runs/gpu-runs.md,
             # run 25: absent in a whole-suite run, present alone in run 24)
             net1 = full_osd["state"]["net1.weight"]
             self.assertEqual(net1["exp_avg"].to_local(), net1["exp_avg_sq"].to_local())

@@ -172,7 +172,7 @@ class _GradAccumulation(FSDPTest):
 
     def _check_unless_skipped(self, meshes: Meshes, sharding: Sharding, **kwargs: Any) -> None:
         """A matrix that silently skips its cases is how accumulation bugs hid
-        (shared/BUGS.md, class 4): only torch's CPU offload on a CPU-only run
+        (docs/guide/bug-classes.md, class 4): only torch's CPU offload on a CPU-only run
         may skip here (see fsdptest.api)."""
         try:
             self._check(meshes, sharding, **kwargs)

@@ -1,4 +1,4 @@
-"""Regression gates for the bug classes of FSDP's history (shared/BUGS.md).
+"""Regression gates for the bug classes of FSDP's history (docs/guide/bug-classes.md).
 
 Each class states the bug class it gates and the kind of failure that would make
 it fail. Every test runs against both implementations (``--fsdp-impl``).

@@ -49,7 +49,7 @@ NEEDED = (
 # [Note: Calls as a user writes them]
 # A user leaves out an argument at its documented default, so the search does
 # too: an argument whose value is torch's documented default (``DEFAULTS``, the
-# defaults of torch's signatures, asserted by tests/test_conformance_search.py)
+# defaults of torch's signatures, asserted by tests/conformance/test_conformance_search.py)
 # is not passed. For a correct implementation nothing changes (a plain
 # parameter gets the same value either way); an implementation whose own
 # default differs from the documented one is then observed, which passing

@@ -12,7 +12,7 @@ none silently lands on GPU 0. A GPU has slots, one per test it may hold at once
 Slots by default] in ``harness._controller.options``; 1: no two tests share a
 GPU); each test's ranks are on distinct GPUs. On a machine whose tests are small,
 the GPUs then serve several tests at a time instead of idling between one test's
-kernels (see docs/gpu-runs.md for what it buys). The pytest processes never
+kernels (see docs/runs/gpu-runs.md for what it buys). The pytest processes never
 initialise CUDA (they only count devices) and hold no GPU memory.
 
 A pool is started on the GPUs of a lease and kept, idle, when the lease ends

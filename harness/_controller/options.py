@@ -32,7 +32,7 @@ worker, at most ``AUTO_SLOTS_MAX``: under ``pytest -n 2`` on two GPUs both
 workers run a 2-rank test at once instead of one waiting for the other's lease.
 The tests of a suite like ours are small and keep a GPU busy a third to a half
 of the time, so a GPU per test left the GPUs idle: ``pytest suites -n 2`` on two
-H100s took 893 s with one slot (docs/gpu-runs.md, runs 25–27) and 470 s with
+H100s took 893 s with one slot (docs/runs/gpu-runs.md, runs 25–27) and 470 s with
 two (run 72), against 684 s on two CPU cores that day; four tests to a GPU is
 the most the suites ran with (runs 65–69, at most 21 GiB used on a GPU). A test's ranks still get distinct GPUs, and the ranks of
 different tests are different processes, so memory counts are per test.

@@ -7,7 +7,7 @@ chunks of the collection and keeps at least two tests queued on every worker
 ends on whatever long tests were collected last, often queued behind each other
 on one worker while the others idle: on two GPUs the second half of the suites
 took 379 s for 552 s of tests on two workers, ending on its four longest tests
-(docs/gpu-runs.md, run 59). Where the tests' durations are known from earlier
+(docs/runs/gpu-runs.md, run 59). Where the tests' durations are known from earlier
 runs, ``LongestFirstScheduling`` sends the longest test still pending to
 whichever worker asks (the longest-processing-time-first rule), keeping two
 tests queued per worker and no more, so the last tests to start are the

@@ -31,7 +31,7 @@ a rank outside a new group does nothing, so that went unseen; on NCCL with the
 default group bound to a device the rank outside splits the default
 communicator with "no colour", which waits for every rank to split: a rank that
 skipped the call (a hit) and one that made it (a miss) hung there (run 67,
-docs/gpu-runs.md). So each call's participants tell each other, through the
+docs/runs/gpu-runs.md). So each call's participants tell each other, through the
 default group's store, whether they hold a live group for it: they reuse only if
 every one of them does, else every one of them calls torch, and a group that
 call displaces is destroyed with the cache. A test that destroys a group of

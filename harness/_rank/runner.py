@@ -126,7 +126,7 @@ def one_thread_per_rank() -> None:
     their CPU work (building models, offloaded optimizer steps, state-dict
     copies) started a pool of a thread per core on first use, which the leak
     check counted after the test and replaced the pool for (31 threads on the
-    32-core GPU hosts, docs/gpu-runs.md runs 72–75)."""
+    32-core GPU hosts, docs/runs/gpu-runs.md runs 72–75)."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 

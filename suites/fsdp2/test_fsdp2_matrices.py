@@ -1,7 +1,7 @@
 """Wide configuration matrices of cheap FSDP2 checks: each subtest builds a tiny
 sharded model and checks one forward and backward exactly (or against the
 replicated reference), so a bug that shows only for some shapes, dtypes,
-groupings or policies is met by one of them (BUGS.md classes 1, 2, 5, 9, 10, 13).
+groupings or policies is met by one of them (docs/guide/bug-classes.md: 1, 2, 5, 9, 10, 13).
 """
 
 from __future__ import annotations

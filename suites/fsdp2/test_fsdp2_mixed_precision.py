@@ -245,7 +245,7 @@ class TestFullyShardMixedPrecisionMore(FSDP2Test):
     def test_gradient_accumulation_in_reduce_dtype(self) -> None:
         """bf16 compute with fp32 reduction over microbatches without sync: the
         accumulated gradient is reduced once, in fp32, and matches the reference
-        that accumulates the bf16 gradients in fp32 (BUGS.md class 1)."""
+        that accumulates the bf16 gradients in fp32 (docs/guide/bug-classes.md, class 1)."""
         model = mlp_stack(8, depth=2)
         reference = LowPrecisionReference(copy.deepcopy(model), torch.bfloat16, torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -5,7 +5,7 @@ gradients accumulated over backwards without ``zero_grad``, freezing and
 unfreezing between steps, a parameter first used on the last microbatch, and the
 optimizer's view of the parameters (DTensors, before and after a step). Facts from
 upstream's ``test_fully_shard_training.py``, ``test_fully_shard_comm.py`` and
-``test_fully_shard_frozen.py``; BUGS.md classes 1, 2 and 7.
+``test_fully_shard_frozen.py``; bug classes 1, 2 and 7 (docs/guide/bug-classes.md).
 """
 
 from __future__ import annotations

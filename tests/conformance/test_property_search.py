@@ -74,7 +74,7 @@ def _minimal_example(inner: Any, world_size: int) -> tuple[Example, str]:
     What these tests assert is the search's shrinking, which does not depend on the
     device, and hypothesis stops shrinking after five minutes: on a GPU machine
     under ``-n``, each example's ranks wait for GPU leases, and a run there stopped
-    at a larger example than the minimal one (docs/gpu-runs.md, run 50). Their
+    at a larger example than the minimal one (docs/runs/gpu-runs.md, run 50). Their
     inner sessions run on CPU ranks, as CI's do."""
     source = BROKEN_SUITE.format(world_size=world_size)
     run = inner(source, "--property-examples", "30", cpu=True)
