@@ -16,6 +16,11 @@ inside the runtime:
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read through ``dist.get_debug_level()``,
   which ``dist.set_debug_level`` also sets): check the forward order across
   ranks (see [Note: Checking the forward order across ranks] in fsdp._exec_order).
+
+torch's FSDP also reads two profiling switches, ``FSDP_USE_FAKE_ALL_GATHER=1``
+and ``FSDP_USE_FAKE_REDUCE=1``, which skip its all-gathers or reductions (its
+training is then wrong by design). This FSDP does not implement them: with
+either set, it warns that its collectives run as usual.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -40,6 +46,7 @@ _CHECKPOINT_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 _FSDP_USE_FULL_PREC_IN_EVAL = "FSDP_USE_FULL_PREC_IN_EVAL"
 _FSDP_SKIP_WRITEBACK_CHECK = "FSDP_SKIP_WRITEBACK_CHECK"
 _FSDP_USE_UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"
+_UNIMPLEMENTED_SWITCHES = ("FSDP_USE_FAKE_ALL_GATHER", "FSDP_USE_FAKE_REDUCE")
 
 # Strategies that keep the unsharded parameter from forward to backward (torch's name).
 NO_RESHARD_AFTER_FORWARD_STRATEGIES = (
@@ -68,6 +75,13 @@ class EnvSwitches(NamedTuple):
 
     @classmethod
     def read(cls) -> EnvSwitches:
+        for name in _UNIMPLEMENTED_SWITCHES:
+            if os.environ.get(name) == "1":
+                warnings.warn(
+                    f"{name}=1 is a profiling switch of torch's FSDP that this FSDP does "
+                    "not implement: its collectives run as usual",
+                    stacklevel=3,
+                )
         return cls(
             os.environ.get(_FSDP_USE_FULL_PREC_IN_EVAL) == "1",
             os.environ.get(_FSDP_SKIP_WRITEBACK_CHECK) == "1",
