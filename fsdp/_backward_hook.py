@@ -66,6 +66,10 @@ class PostBackwardHook:
         self._registered = (node, node.register_hook(_weakly(hook)), hook)
         return True
 
+    def reshard_only(self) -> bool:
+        """The flat parameter needs no gradient: only ``register_reshard_only`` applies."""
+        return not self._flat_param.requires_grad
+
     def register_reshard_only(self, inputs: list[Tensor], hook: Callable[[], None]) -> bool:
         """For a flat parameter that needs no gradient: ``hook`` runs once the
         gradients of ``inputs`` are computed, once per iteration; returns

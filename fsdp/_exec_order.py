@@ -39,8 +39,8 @@ post-backward hook and reduce-scatter) come after the backward of the unit
 that prefetched it. So with ``forward_prefetch=True`` torch's backward issues
 the next unit's prefetch all-gather before the reduce-scatter of the unit
 whose backward just ran. This project's unit does the same
-(``FlatParamHandle.prefetch_for_forward``, ``unshard_for_forward``), so both issue the same collectives in the same
-order; the views stay those of the prefetch until the unit's reshard (its
+(``FlatParamHandle.unshard_ahead`` for forward, then ``pre_forward``), so both
+issue the same collectives in the same order; the views stay those of the prefetch until the unit's reshard (its
 post-forward), a root pre-forward with forward prefetch, or the end of the
 iteration.
 
@@ -68,9 +68,12 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
-from fsdp import _comm
+from fsdp import _comm, _registry
+from fsdp._common import HandleTrainingState, clean_tensor_name
 from fsdp._flat_param import FlatParamHandle
+from fsdp.api import BackwardPrefetch
 
 _ACROSS_RANKS = "Forward order differs across ranks:"
 
@@ -150,6 +153,29 @@ class ExecutionOrder:
 
     # -- prefetch candidates --------------------------------------------------------------
 
+    def prefetch_candidate(
+        self, handle: FlatParamHandle, backward: BackwardPrefetch | None, forward: bool
+    ) -> FlatParamHandle | None:
+        """The unit to unshard ahead of its use now that ``handle``'s hook runs, by
+        ``handle``'s state (forward, pre- or post-backward) and the settings; None
+        for none. A candidate that was prefetched already, or (backward) does not
+        await its backward, is none."""
+        state = handle.training_state
+        if (
+            state is HandleTrainingState.BACKWARD_PRE and backward is BackwardPrefetch.BACKWARD_PRE
+        ) or (
+            state is HandleTrainingState.BACKWARD_POST
+            and backward is BackwardPrefetch.BACKWARD_POST
+        ):
+            candidate = self.backward_candidate(handle)
+            if candidate is not None and candidate.lifecycle.awaits_backward():
+                return None if candidate.prefetched else candidate
+        elif state is HandleTrainingState.FORWARD and forward:
+            candidate = self.forward_candidate(handle)
+            if candidate is not None and not candidate.prefetched:
+                return candidate
+        return None
+
     def forward_candidate(self, handle: FlatParamHandle) -> FlatParamHandle | None:
         """The unit after ``handle`` in the first iteration's pre-forward order,
         if its forward has not run yet since the root's pre-forward."""
@@ -226,3 +252,15 @@ class ExecutionOrder:
             )
             self._warn_status = _WarnStatus.WARNING
         self._order_index += 1
+
+
+def fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
+    """Each handle's original parameter names as seen from the root (no wrapper prefixes)."""
+    fqns: dict[FlatParamHandle, list[str]] = {}
+    for name, module in root.named_modules():
+        state = _registry.state_of(module)
+        if state is None or state.handle is None or state.handle in fqns:
+            continue
+        prefix = clean_tensor_name(f"{name}.") if name else ""
+        fqns[state.handle] = [prefix + fqn for fqn in state.handle.fqns]
+    return fqns

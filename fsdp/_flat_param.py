@@ -15,11 +15,14 @@ unit's own work with them:
 - ``FlatParamGrads`` (fsdp._grads): the gradient within and across backwards.
 
 The unit unshards (all-gather through fsdp._comm on the tree's streams),
-reshards and reduces its gradient (fsdp._reduce) itself; ``FSDPState``
-(fsdp._runtime) holds the hooks and the tree and decides when. Callers that
+reshards and reduces its gradient (fsdp._reduce) itself, and owns the bodies of
+its hooks (``pre_forward``, ``post_forward``, ``pre_backward``,
+``post_backward``, ``finalize_backward``), as FSDP2's group does; ``FSDPState``
+(fsdp._runtime) registers the hooks, holds the tree, and decides what depends
+on other units (the forward order, prefetching, the end of backward). Callers that
 need a part use it directly (``handle.storage``, ``handle.views``,
 ``handle.grads``, ``handle.layout``): the unit does not forward to them.
-Its lifecycle is a ``UnitState`` (fsdp._unit_state), its post-backward hook a
+Its lifecycle is a ``UnitLifecycle`` (fsdp._unit_state), its post-backward hook a
 ``PostBackwardHook`` (fsdp._backward_hook); prefetching: [Note: Prefetched
 units] and [Note: Forward prefetch shows the views at once] in fsdp._exec_order.
 """
@@ -56,13 +59,7 @@ from fsdp._orig_params import OrigParamViews
 from fsdp._reduce import CommHookSpec, ReducePlan, reduce_gradient
 from fsdp._storage import FlatParameter, FlatParamStorage, free_storage
 from fsdp._streams import CommStreams
-from fsdp._unit_state import (
-    PREFETCH_TRANSITIONS,
-    TORCH_STATE,
-    UNIT_TRANSITIONS,
-    Prefetch,
-    UnitState,
-)
+from fsdp._unit_state import PREFETCH_TRANSITIONS, Prefetch, UnitLifecycle, UnitState
 
 __all__ = [
     "FlatParamHandle",
@@ -89,7 +86,7 @@ class FlatParamHandle:
     storage: FlatParamStorage
     views: OrigParamViews
     grads: FlatParamGrads
-    lifecycle: Lifecycle[UnitState]
+    lifecycle: UnitLifecycle
     prefetch: Lifecycle[Prefetch]
     has_optim_in_backward: bool
     _sharding_strategy: HandleShardingStrategy
@@ -155,7 +152,7 @@ class FlatParamHandle:
             not use_unsafe_setattr,
             self._param_extensions,
         )
-        self.lifecycle = Lifecycle(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
+        self.lifecycle = UnitLifecycle()
         self.has_optim_in_backward = False
         self.prefetch = Lifecycle(Prefetch.NONE, PREFETCH_TRANSITIONS, "FlatParamHandle prefetch")
         self._streams = None
@@ -232,7 +229,7 @@ class FlatParamHandle:
     @property
     def training_state(self) -> HandleTrainingState:
         """The lifecycle in torch's terms (``HandleTrainingState``)."""
-        return TORCH_STATE[self.lifecycle.state]
+        return self.lifecycle.torch_state
 
     def param_infos(self) -> tuple[ParamInfo, ...]:
         return self.layout.param_infos
@@ -310,6 +307,7 @@ class FlatParamHandle:
         since construction): binds the shard and the tree's streams, allocates
         buffers, keeps changes the user made to original parameters before it,
         finds optimizers in backward."""
+        self.storage.check_device()
         self._streams = streams
         self.flat_param._local_shard = self.flat_param.data
         self.writeback_orig_params(skip_check=False, grads=False)  # gradients: at the unshard
@@ -340,53 +338,53 @@ class FlatParamHandle:
         if self.views.all_grads_cleared():
             self.grads.clear()
 
-    # -- lifecycle (see [Note: The unit's lifecycle]) -------------------------------------------
+    # -- the hooks' bodies (FSDPState registers the hooks and decides for the tree) ----------
 
-    def recomputing_in_backward(self) -> bool:
-        """A forward of this unit runs inside its own backward (activation
-        checkpointing recomputes it): the unit is already unsharded for it."""
-        return self.lifecycle.state is UnitState.PRE_BACKWARD
-
-    def begin_forward(self, full_precision: bool) -> None:
-        state = self.lifecycle.state
-        if state is UnitState.AWAITING_BACKWARD:
-            self.lifecycle.move(UnitState.FORWARD_BEFORE_BACKWARD)
-        else:
-            self.lifecycle.move(UnitState.FORWARD)
+    def pre_forward(self, full_precision: bool) -> None:
+        """Unshards for forward and shows ``Tensor`` views; after a forward prefetch
+        only waits, keeping the prefetch's views (see [Note: Forward prefetch shows
+        the views at once] in fsdp._exec_order)."""
+        self.lifecycle.begin_forward()
         self.storage.force_full_precision = full_precision
-
-    def end_forward(self, awaits_backward: bool) -> None:
-        if self.lifecycle.state is UnitState.FORWARD_BEFORE_BACKWARD or awaits_backward:
-            self.lifecycle.move(UnitState.AWAITING_BACKWARD)
+        if self.prefetch.state is Prefetch.SHOWN:
+            self.wait_for_unshard()
         else:
-            self.lifecycle.move(UnitState.IDLE)
+            self._unshard_for_compute()
 
-    def awaits_backward(self) -> bool:
-        """Forward ran with grad this iteration and its backward has not started."""
-        return self.lifecycle.state is UnitState.AWAITING_BACKWARD
+    def post_forward(self, free: bool, keep_views: bool, awaits_backward: bool) -> None:
+        """Reshards (``free``: the unsharded parameter goes; ``NO_SHARD`` has none
+        to free), keeping forward's views for backward where ``keep_views``
+        (use_orig_params); the unit then awaits its backward if an output needs
+        a gradient (or an earlier forward's does)."""
+        self.reshard(free and self.uses_sharded_strategy, use_sharded_views=not keep_views)
+        self.lifecycle.end_forward(awaits_backward)
 
-    def begin_backward(self) -> bool:
-        """The unit's pre-backward; returns False when it already ran (or the unit
-        produced nothing that needs a gradient), so it runs once per iteration."""
-        if self.lifecycle.state is not UnitState.AWAITING_BACKWARD:
+    def pre_backward(self) -> bool:
+        """Unshards for backward and sets a stale gradient aside, once per
+        iteration; False when there was nothing to do."""
+        if not self.lifecycle.begin_backward():
             return False
-        self.lifecycle.move(UnitState.PRE_BACKWARD)
+        with profiler_label("FSDP::pre_backward"):
+            self._unshard_for_compute()
+            self.grads.prepare_for_backward()
         return True
 
-    def end_backward(self) -> None:
-        """The unit's post-backward (its gradient is accumulated). Without a
-        pre-backward first, the unit's outputs needed no gradient while its
-        parameters got one through another path."""
-        self.lifecycle.move(UnitState.POST_BACKWARD)
+    def post_backward(self, at_end: bool = False) -> bool:
+        """The gradient is accumulated; True when there is one to reduce (the
+        runtime reshards and prefetches, then calls ``reduce_grad``). ``at_end``:
+        only for a unit whose hooked node never ran (see ``PostBackwardHook``)."""
+        if at_end and not self.lifecycle.backward_missed():
+            return False
+        self.lifecycle.end_backward()
+        return self.flat_param.grad is not None
 
-    def backward_missed(self) -> bool:
-        """Pre-backward ran but the hooked node never fired (its forward's graph
-        was dropped): the end of backward must finish the unit."""
-        return self.lifecycle.state is UnitState.PRE_BACKWARD
-
-    def finish_iteration(self, synced: bool) -> None:
-        """End of backward: the sharded gradient for the optimizer (see
-        fsdp._grads), then back to idle."""
+    def finalize_backward(self, free: bool, synced: bool) -> None:
+        """End of backward: reshards what is still unsharded (also a copy kept
+        for a backward that never ran), hands the sharded gradient to the
+        optimizer (see fsdp._grads), and the iteration is over."""
+        storage = self.storage
+        if storage.is_unsharded() or (free and storage.unsharded_buffers()):
+            self.reshard(free)
         fresh = self.grads.finish_backward(synced)
         if self._use_orig_params and self.flat_param.requires_grad:
             # A frozen unit's gradients are the user's: no backward of FSDP's
@@ -398,26 +396,6 @@ class FlatParamHandle:
         self.lifecycle.move(UnitState.IDLE)
         self.prefetch.move(Prefetch.NONE)
         self.views.end_iteration()
-
-    def begin_summon(self) -> None:
-        """Torch's check and message: only an idle unit is summoned."""
-        state = self.lifecycle.state
-        if state is UnitState.AWAITING_BACKWARD:
-            self.lifecycle.move(UnitState.SUMMONED_BEFORE_BACKWARD)
-        elif state is UnitState.IDLE:
-            self.lifecycle.move(UnitState.SUMMONED)
-        else:
-            raise AssertionError(
-                f"Expects the handle training to be IDLE but got {self.training_state}"
-            )
-        self.storage.force_full_precision = True
-
-    def end_summon(self) -> None:
-        if self.lifecycle.state is UnitState.SUMMONED_BEFORE_BACKWARD:
-            self.lifecycle.move(UnitState.AWAITING_BACKWARD)
-        else:
-            self.lifecycle.move(UnitState.IDLE)
-        self.storage.force_full_precision = False
 
     # -- unshard -----------------------------------------------------------------------------
 
@@ -463,36 +441,23 @@ class FlatParamHandle:
             assert self._streams is not None
             self._streams.compute_waits(event)
 
-    def unshard_for_compute(self) -> None:
+    def _unshard_for_compute(self) -> None:
         """Forward and backward: unshard, wait, and show ``Tensor`` views."""
         self.unshard()
         self.wait_for_unshard()
         self._use_unsharded_views(as_params=False)
 
-    def unshard_for_forward(self) -> None:
-        """The unit's pre-forward: after a forward prefetch only waits, keeping the
-        prefetch's views (see [Note: Forward prefetch shows the views at once])."""
-        if self.prefetch.state is Prefetch.SHOWN:
-            self.wait_for_unshard()
-            return
-        self.unshard_for_compute()
-
-    def prefetch_for_forward(self, full_precision: bool) -> None:
-        """Forward prefetch: unshards now and shows forward's ``Tensor`` views, never
-        inference tensors ([Note: Forward prefetch shows the views at once], [Note: Views
-        are made with autograd on]), also where the data is at hand (``NO_SHARD``)."""
-        self.prefetch.move(Prefetch.GATHERED)
-        self.storage.force_full_precision = full_precision
-        with profiler_label("FSDP::prefetch"), torch.inference_mode(False):
-            self.unshard()
-            self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
-        self.prefetch.move(Prefetch.SHOWN)
-
-    def unshard_ahead(self, full_precision: bool) -> torch.cuda.Event | None:
+    def unshard_ahead(
+        self, full_precision: bool, for_forward: bool = False
+    ) -> torch.cuda.Event | None:
         """Starts the all-gather ahead of its use (a prefetch, or ``_unshard``);
         the unit's own unshard later finds the data ready. Returns the event the
         all-gather's users wait for (CUDA). Nothing is gathered when the unit
-        holds its data already (``NO_SHARD``, kept since forward)."""
+        holds its data already (``NO_SHARD``, kept since forward). ``for_forward``
+        (forward prefetch) unshards in full and shows forward's views at once."""
+        if for_forward:
+            self._prefetch_for_forward(full_precision)
+            return self._unshard_event
         if self.prefetch.state is Prefetch.NONE:
             self.prefetch.move(Prefetch.GATHERED)
         if self.uses_sharded_strategy and not self.storage.is_unsharded():
@@ -501,20 +466,23 @@ class FlatParamHandle:
                 self.unshard(prefetch=True)
         return self._unshard_event
 
+    def _prefetch_for_forward(self, full_precision: bool) -> None:
+        """Unshards now and shows forward's ``Tensor`` views, never inference
+        tensors ([Note: Forward prefetch shows the views at once], [Note: Views are
+        made with autograd on]), also where the data is at hand (``NO_SHARD``)."""
+        self.prefetch.move(Prefetch.GATHERED)
+        self.storage.force_full_precision = full_precision
+        with profiler_label("FSDP::prefetch"), torch.inference_mode(False):
+            self.unshard()
+            self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
+        self.prefetch.move(Prefetch.SHOWN)
+
     def _use_unsharded_views(self, as_params: bool) -> None:
         """Sets the original parameter names to views into the unsharded flat
         parameter: ``nn.Parameter`` s when ``as_params`` (summon_full_params,
         state dicts), plain ``Tensor`` views otherwise (forward and backward, so
         that autograd reaches the flat parameter). Tests patch this seam."""
         self.views.show_unsharded(self.flat_param, as_params, self.training_state)
-
-    def _drop_low_precision_unsharded(self) -> None:
-        """Frees a low-precision unsharded copy that forward kept (see [Note:
-        Summoning keeps what forward kept] in fsdp._unshard_params)."""
-        buffer = self.storage.low_precision_unsharded()
-        if buffer is not None:
-            self._release([buffer])
-            free_storage(buffer)
 
     def _release(self, tensors: list[Tensor]) -> None:
         if self._streams is not None:
@@ -527,8 +495,12 @@ class FlatParamHandle:
         gradient) and exposes them as ``nn.Parameter`` s; ``hidden`` (ranks other
         than 0 under ``rank0_only``) reshards at once. Returns whether the exit
         frees the unsharded data (not when forward kept it)."""
-        self.begin_summon()
-        self._drop_low_precision_unsharded()  # [Note: Summoning keeps what forward kept]
+        self.lifecycle.begin_summon()
+        self.storage.force_full_precision = True
+        low = self.storage.low_precision_unsharded()  # [Note: Summoning keeps what forward kept]
+        if low is not None:
+            self._release([low])
+            free_storage(low)
         free_on_exit = self.storage.ready_unsharded() is None
         # Outside forward nothing else orders the all-gather after the optimizer
         # step or a writeback on the current stream (see fsdp._streams).
@@ -560,36 +532,18 @@ class FlatParamHandle:
                 self._use_unsharded_views(as_params=False)
             self.reshard(free)
             self._drop_unsharded_grad(writeback=writeback)
-        self.end_summon()
+        self.lifecycle.end_summon()
+        self.storage.force_full_precision = False
 
     def _unshard_grad(self) -> None:
-        """Gathers the sharded gradient and exposes it on the original parameters
-        (summon_full_params(with_grads=True)): None everywhere when no rank has
-        one, zeros for a rank without one when others have one. ``NO_SHARD``
-        exposes its gradient itself."""
-        sharded = self.grads.sharded()
-        if not self.uses_sharded_strategy:
-            self._use_unsharded_grad(None if sharded is None else sharded.to(self.device))
-            return
-        # An int32 count, as torch's (the collective traces agree).
-        missing = torch.tensor([int(sharded is None)], dtype=torch.int32, device=self.device)
-        _comm.all_reduce(missing, self.process_group)
-        if int(missing.item()) == self.world_size:
-            self._use_unsharded_grad(None)
-            return
-        # Every rank gathers in the gradients' dtype (low precision with
-        # keep_low_precision_grads), also one that has none and sends zeros.
-        dtype = self.grad_dtype()
-        if sharded is None:
-            sharded = torch.zeros_like(self.flat_param._local_shard, dtype=dtype)
-        local = sharded.to(self.device, dtype).contiguous()
-        unsharded = torch.empty(self.padded_numel, dtype=local.dtype, device=local.device)
-        _comm.all_gather(unsharded, local, self.process_group)
-        self._use_unsharded_grad(unsharded[: self.unpadded_numel])
-
-    def _use_unsharded_grad(self, unsharded: Tensor | None) -> None:
-        """Exposes ``unsharded`` (an unsharded flat gradient, or None when no rank
-        has one) on the original parameters, which are unsharded views now."""
+        """Exposes the unsharded gradient on the original parameters, unsharded
+        views now (summon_full_params(with_grads=True)): gathered from every rank
+        (fsdp._grads), or ``NO_SHARD``'s own; None where no rank has one."""
+        if self.uses_sharded_strategy:
+            unsharded = self.grads.gather(self.grad_dtype(), self.device, self.process_group)
+        else:
+            sharded = self.grads.sharded()
+            unsharded = None if sharded is None else sharded.to(self.device)
         self.grads.summon(unsharded)
         self.views.show_unsharded_grads(unsharded)
 
@@ -619,13 +573,6 @@ class FlatParamHandle:
             self.views.show_resharded(self.flat_param)
             if self._use_orig_params and self.training_state is HandleTrainingState.FORWARD:
                 self._show_grads()  # as torch's post-forward reshard: a user's .grad is shown again
-
-    def reshard_if_unsharded(self, free: bool) -> None:
-        """End of backward: reshards what is still unsharded, also a copy kept
-        for a backward that never ran."""
-        storage = self.storage
-        if storage.is_unsharded() or (free and storage.unsharded_buffers()):
-            self.reshard(free)
 
     def load_local_shard(self, tensor: Tensor) -> None:
         """A saved local shard (LOCAL_STATE_DICT) becomes this rank's shard; an
@@ -662,12 +609,6 @@ class FlatParamHandle:
 
     # -- gradients ---------------------------------------------------------------------------------
 
-    def keep_unsharded_grad(self) -> None:
-        """Post-backward under no_sync: the original parameters see the unsharded
-        gradient accumulated so far."""
-        if self._use_orig_params:
-            self.views.show_unsharded_grads(self.grads.unsharded_pending())
-
     def _show_grads(self) -> None:
         pending = self.grads.unsharded_pending()
         if pending is not None and self.uses_sharded_strategy:
@@ -675,11 +616,16 @@ class FlatParamHandle:
         else:
             self.views.show_sharded_grads(self.flat_param.grad)
 
-    def reduce_grad(self, hook: CommHookSpec | None) -> None:
+    def reduce_grad(self, sync: bool, hook: CommHookSpec | None) -> None:
         """Takes the gradient autograd accumulated, reduces it on the reduce
         stream (fsdp._reduce) and keeps the shard for the end of backward; then
-        steps optimizers in backward, if any."""
+        steps optimizers in backward, if any. Without ``sync`` (no_sync) the
+        original parameters see the unsharded gradient accumulated so far."""
         grads = self.grads
+        if not sync:
+            if self._use_orig_params:
+                self.views.show_unsharded_grads(grads.unsharded_pending())
+            return
         grad = grads.take_unsharded()
         assert grad is not None and self._streams is not None
         streams = self._streams

@@ -50,11 +50,12 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from fsdp import _comm
 from fsdp._layout import ShardLayout
 from fsdp._storage import FlatParameter, same_storage
 
@@ -212,6 +213,24 @@ class FlatParamGrads:
         return fresh
 
     # -- summon_full_params(with_grads=True) -----------------------------------------------
+
+    def gather(self, dtype: torch.dtype, device: torch.device, group: Any) -> Tensor | None:
+        """Every rank's shard gathered into the unsharded gradient (sharded
+        strategies): None when no rank has one; a rank without one sends zeros."""
+        sharded = self.sharded()
+        # An int32 count, as torch's (the collective traces agree).
+        missing = torch.tensor([int(sharded is None)], dtype=torch.int32, device=device)
+        _comm.all_reduce(missing, group)
+        if int(missing.item()) == group.size():
+            return None
+        # Every rank gathers in the gradients' dtype (low precision with
+        # keep_low_precision_grads), also one that has none and sends zeros.
+        if sharded is None:
+            sharded = torch.zeros_like(self.flat_param._local_shard, dtype=dtype)
+        local = sharded.to(device, dtype).contiguous()
+        unsharded = torch.empty(self.shard.padded_numel, dtype=local.dtype, device=local.device)
+        _comm.all_gather(unsharded, local, group)
+        return unsharded[: self.shard.layout.total_numel]
 
     @property
     def summoned(self) -> SummonedGrad | None:

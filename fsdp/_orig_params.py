@@ -56,7 +56,7 @@ with autograd off (a frozen trunk under ``torch.no_grad()`` before a trained
 head). So views are always made with autograd on, whatever the caller's grad
 mode, as torch's FSDP does. A forward prefetch inside ``torch.inference_mode()``
 also leaves inference mode for the unshard and the views
-(``FlatParamHandle.prefetch_for_forward``): made there, the unsharded data
+(``FlatParamHandle.unshard_ahead`` for forward): made there, the unsharded data
 would be inference tensors, of which nothing can be an autograd view, and the
 prefetched unit's gradient would be lost (torch's FSDP loses it).
 

@@ -43,8 +43,18 @@ recorded in fsdp._exec_order (see [Note: Execution order and prefetch] there);
 ``_get_handle_to_prefetch`` picks the unit to prefetch (tests patch that seam).
 
 Gradient reduction, communication hooks included, is fsdp._reduce (see [Note:
-Communication hooks] there); the unit object (fsdp._flat_param) unshards,
-reshards and reduces itself, and this module decides when.
+Communication hooks] there).
+
+[Note: The unit runs its hooks' bodies]
+The unit object (``FlatParamHandle``, fsdp._flat_param) owns the body of each
+hook: ``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``
+(then ``reduce_grad``) and ``finalize_backward``, as FSDP2's parameter group
+does. ``FSDPState`` registers the hooks and does what depends on the tree
+between those calls: the forward order and its check, prefetching the next
+unit, the root's end of backward, and the decisions that read the unit's
+configuration (whether to free, whether to reduce). The torch seams tests
+patch (``_register_post_backward_hook``, ``_post_backward_reshard``,
+``_get_handle_to_prefetch``) are FSDPState's, as torch's are its runtime's.
 """
 
 from __future__ import annotations
@@ -62,13 +72,11 @@ from fsdp._common import (
     FLAT_PARAM,
     NO_RESHARD_AFTER_FORWARD_STRATEGIES,
     EnvSwitches,
-    HandleTrainingState,
     ProcessGroups,
     TrainingState,
-    clean_tensor_name,
     profiler_label,
 )
-from fsdp._exec_order import ExecutionOrder
+from fsdp._exec_order import ExecutionOrder, fqns_from_root
 from fsdp._flat_param import FlatParamHandle
 from fsdp._ignored import Ignored
 from fsdp._lifecycle import Lifecycle
@@ -146,7 +154,7 @@ class RootContext:
     def of(cls, root: FSDPState, states: list[FSDPState]) -> RootContext:
         streams = CommStreams(root.compute_device, root.config.limit_all_gathers)
         handles = [s.handle for s in states if s.handle is not None]
-        fqns = _fqns_from_root(root.module)
+        fqns = fqns_from_root(root.module)
         order = ExecutionOrder(handles, fqns, root.process_group, root.config.env.check_exec_order)
         by_handle = {s.handle: s for s in states if s.handle is not None}
         return cls(root, states, streams, order, by_handle)
@@ -155,22 +163,10 @@ class RootContext:
         return self.by_handle[handle]
 
 
-def _fqns_from_root(root: nn.Module) -> dict[FlatParamHandle, list[str]]:
-    """Each handle's original parameter names as seen from the root (no wrapper prefixes)."""
-    fqns = {}
-    for name, module in root.named_modules():
-        state = _registry.state_of(module)
-        if state is None or state.handle is None or state.handle in fqns:
-            continue
-        prefix = clean_tensor_name(f"{name}.") if name else ""
-        fqns[state.handle] = [prefix + fqn for fqn in state.handle.fqns]
-    return fqns
-
-
 class FSDPState:
     """The hooks and the tree of one FSDP unit (a wrapper or a ``fully_shard``
-    module): when to unshard, reshard and reduce; the unit object (``handle``)
-    does it."""
+    module); the unit object (``handle``) runs the hooks' bodies (see [Note: The
+    unit runs its hooks' bodies])."""
 
     module: nn.Module
     config: UnitConfig
@@ -301,24 +297,9 @@ class FSDPState:
             state.root_context = None
 
     def _init_unit(self, streams: CommStreams) -> None:
-        handle = self.handle
-        if handle is not None:
-            self._check_flat_param_device(handle)
-            handle.lazy_init(streams)
+        if self.handle is not None:
+            self.handle.lazy_init(streams)
         self._cast_buffers(full_precision=False)
-
-    def _check_flat_param_device(self, handle: FlatParamHandle) -> None:
-        device = handle.flat_param.device
-        if self.config.cpu_offload.offload_params and device.type != "cpu":
-            raise RuntimeError(
-                "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
-                f"{device}. Make sure to not move the module from CPU when offloading parameters."
-            )
-        if not self.config.cpu_offload.offload_params and device != self.compute_device:
-            raise RuntimeError(
-                f"An FSDP-managed module unexpectedly has parameters on {device}. Make sure to "
-                f"move the module to {self.compute_device} before training."
-            )
 
     # -- precision ----------------------------------------------------------------------
 
@@ -370,73 +351,64 @@ class FSDPState:
                     args, kwargs = cast_floats(dtype, args, kwargs)
         return args, kwargs
 
+    def _cast_forward_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.config.mixed_precision
+        if mp.cast_forward_inputs and mp.param_dtype is not None and not self.full_precision_now():
+            return cast_floats(mp.param_dtype, args, kwargs)
+        return args, kwargs
+
     @_eager
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        full_precision = self.full_precision_now()
-        mp = self.config.mixed_precision
-        if mp.cast_forward_inputs and mp.param_dtype is not None and not full_precision:
-            args, kwargs = cast_floats(mp.param_dtype, args, kwargs)
-        handle = self.handle
-        if handle is None or handle.recomputing_in_backward():
+        """Checks and records the forward order, lets the unit unshard, registers
+        its post-backward hook (with grad) and prefetches the next unit."""
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        unit = self.handle
+        if unit is None or unit.lifecycle.recomputing_in_backward():
             return args, kwargs
         with profiler_label("FSDP::pre_forward"):
             self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
-            handle.begin_forward(full_precision)
-            self.root.exec_order.record_pre_forward(handle, self.module.training)
-            handle.unshard_for_forward()
+            self.root.exec_order.record_pre_forward(unit, self.module.training)
+            unit.pre_forward(self.full_precision_now())
             if torch.is_grad_enabled():
-                self._register_post_backward_hook(handle)
-                if not handle.flat_param.requires_grad:
-                    self._register_post_backward_reshard_only_hook(handle, args, kwargs)
-            self._prefetch_after(handle)
+                self._register_post_backward_hook(unit)
+                self._register_post_backward_reshard_only_hook(unit, args, kwargs)
+            self._prefetch_after(unit, for_forward=True)
         return args, kwargs
 
     @_eager
     def post_forward(self, output: Any) -> Any:
-        """Reshards (see [Note: One iteration]) and hooks the outputs; a forward
-        recomputed inside this unit's backward (activation checkpointing) keeps
-        the unsharded parameter for the backward that follows."""
-        handle = self.handle
-        if handle is not None and handle.recomputing_in_backward():
+        """Hooks the outputs and lets the unit reshard (see [Note: One iteration]); a
+        forward recomputed inside this unit's backward (activation checkpointing)
+        keeps the unsharded parameter for the backward that follows."""
+        unit = self.handle
+        if unit is not None and unit.lifecycle.recomputing_in_backward():
             return output
         with profiler_label("FSDP::post_forward"):
             grad_enabled = torch.is_grad_enabled()
-            if handle is not None:
-                self.root.exec_order.record_post_forward(handle)
+            if unit is not None:
+                self.root.exec_order.record_post_forward(unit)
                 keeps = self.config.keeps_unsharded_after_forward
-                # NO_SHARD has nothing to free; the root's backward starts right away.
-                free = not (keeps or self.is_root or not handle.uses_sharded_strategy)
-                handle.reshard(free, use_sharded_views=not (keeps and grad_enabled))
+                awaits = grad_enabled and any(t.requires_grad for t in _tensors_in(output))
+                # The root's backward starts right away: it keeps the unsharded parameter.
+                unit.post_forward(not (keeps or self.is_root), keeps and grad_enabled, awaits)
             if grad_enabled:
-                output = self._register_pre_backward_hooks(output, handle)
-            elif handle is not None:
-                handle.end_forward(awaits_backward=False)
+                output = self._register_pre_backward_hooks(output, unit)
             self.lifecycle.move(TrainingState.IDLE)
         return output
 
     def _register_pre_backward_hooks(self, output: Any, handle: FlatParamHandle | None) -> Any:
         """Registers the pre-backward hook on every output tensor that needs a
-        gradient; the unit awaits its backward if there is one."""
-        hook = self._make_pre_backward_hook(handle)
-        hooked = False
-
-        def register(tensor: Tensor) -> Tensor:
-            nonlocal hooked
+        gradient (torch's seam and arguments; the hook finds the unit itself)."""
+        for tensor in _tensors_in(output):
             if tensor.requires_grad:
-                tensor.register_hook(hook)
-                hooked = True
-            return tensor
-
-        output = _apply_to_tensors(register, output)
-        if handle is not None:
-            handle.end_forward(awaits_backward=hooked)
+                tensor.register_hook(self._pre_backward)
         return output
 
     def _register_post_backward_hook(self, handle: FlatParamHandle) -> None:
         """Hooks the first forward's ``AccumulateGrad`` node of this iteration
         (see [Note: The post-backward hook's node] in fsdp._backward_hook)."""
         if not handle.post_backward_hook.is_registered():
-            handle.post_backward_hook.register(self._make_post_backward_hook(handle))
+            handle.post_backward_hook.register(self._post_backward)
 
     def _register_post_backward_reshard_only_hook(
         self, handle: FlatParamHandle, args: Any, kwargs: Any
@@ -445,58 +417,38 @@ class FSDPState:
         hook: it reshards once the gradients of its inputs are computed (all
         gradients that need its parameters are then done). Inputs that need no
         gradient leave it to the end of backward."""
-        if handle.post_backward_hook.is_registered():
+        hook = handle.post_backward_hook
+        if hook.is_registered() or not hook.reshard_only():
             return
         inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
         if inputs:
-            handle.post_backward_hook.register_reshard_only(
-                inputs, self._make_reshard_only_hook(handle)
-            )
+            hook.register_reshard_only(inputs, self._post_backward_reshard_only)
 
     # -- backward ------------------------------------------------------------------------
 
-    def _make_pre_backward_hook(self, handle: FlatParamHandle | None) -> Callable[[Tensor], Tensor]:
-        def hook(grad: Tensor) -> Tensor:
-            self._pre_backward(handle)
-            return grad
-
-        return hook
-
     @_eager
-    def _pre_backward(self, handle: FlatParamHandle | None) -> None:
-        context = self.root
+    def _pre_backward(self, grad: Tensor) -> Tensor:
+        """The pre-backward hook: queues the root's end of backward once; the unit
+        unshards (once per iteration), then the previous unit is prefetched."""
+        handle, context = self.handle, self.root
         if not context.backward_started:
             context.backward_started = True
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
-        if handle is None or not handle.begin_backward():
-            return
-        with profiler_label("FSDP::pre_backward"):
+        if handle is not None and handle.pre_backward():
             self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
-            handle.unshard_for_compute()
-            handle.grads.prepare_for_backward()
-            self._prefetch_after(handle)
-
-    def _make_post_backward_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
-        def hook() -> None:
-            self._post_backward(handle)
-
-        return hook
+            self._prefetch_after(handle, for_forward=False)
+        return grad
 
     @_eager
-    def _post_backward(self, handle: FlatParamHandle, in_backward: bool = True) -> None:
-        """Reshards, prefetches (not once backward is over) and reduces."""
+    def _post_backward(self) -> None:
+        """The post-backward hook: the unit reshards, the runtime prefetches, the
+        unit reduces."""
+        handle = self.handle
+        assert handle is not None
         with profiler_label("FSDP::post_backward"):
-            handle.end_backward()
-            if handle.flat_param.grad is None:
-                return
-            if in_backward:
+            if handle.post_backward():
                 self._post_backward_reshard(handle)
-            else:
-                handle.reshard(self._frees_in_backward())
-            if not self.sync_gradients:
-                handle.keep_unsharded_grad()
-                return
-            handle.reduce_grad(self.comm_hook)
+                handle.reduce_grad(self.sync_gradients, self.comm_hook)
 
     def _frees_in_backward(self) -> bool:
         """Backward frees the unsharded parameter, except under ``no_sync`` for
@@ -504,17 +456,13 @@ class FSDPState:
         then needs no all-gather (torch's trade of memory for speed)."""
         return self.sync_gradients or not self.config.keeps_unsharded_after_forward
 
-    def _make_reshard_only_hook(self, handle: FlatParamHandle) -> Callable[[], None]:
-        def hook() -> None:
-            self._post_backward_reshard_only(handle)
-
-        return hook
-
     @_eager
-    def _post_backward_reshard_only(self, handle: FlatParamHandle) -> None:
+    def _post_backward_reshard_only(self) -> None:
+        handle = self.handle
+        assert handle is not None
         with profiler_label("FSDP::post_backward_reshard_only"):
             self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
-            handle.end_backward()
+            handle.post_backward()
             self._post_backward_reshard(handle)
 
     def _post_backward_reshard(self, handle: FlatParamHandle) -> None:
@@ -522,7 +470,7 @@ class FSDPState:
         and backward, from its post-backward hook or its reshard-only hook, never
         from the end of backward: tests count it."""
         handle.reshard(self._frees_in_backward())
-        self._prefetch_after(handle)
+        self._prefetch_after(handle, for_forward=False)
 
     @_eager
     def finalize_backward(self) -> None:
@@ -544,17 +492,16 @@ class FSDPState:
     def _post_backward_if_missed(self) -> None:
         """A unit that took part in this backward but whose hooked node never
         ran (the first forward's graph was dropped) is finished here."""
-        handle = self.handle
-        if handle is not None and handle.backward_missed():
-            self._post_backward(handle, in_backward=False)
+        unit = self.handle
+        if unit is not None and unit.post_backward(at_end=True):
+            with profiler_label("FSDP::post_backward"):
+                unit.reshard(self._frees_in_backward())
+                unit.reduce_grad(self.sync_gradients, self.comm_hook)
 
     def _finalize_unit(self) -> None:
         self.lifecycle.move(TrainingState.IDLE)
-        handle = self.handle
-        if handle is None:
-            return
-        handle.reshard_if_unsharded(self._frees_in_backward())
-        handle.finish_iteration(synced=self.sync_gradients)
+        if self.handle is not None:
+            self.handle.finalize_backward(self._frees_in_backward(), self.sync_gradients)
 
     # -- summon_full_params ----------------------------------------------------------------
 
@@ -568,47 +515,25 @@ class FSDPState:
 
     def _get_handle_to_prefetch(self, current_handle: FlatParamHandle) -> FlatParamHandle | None:
         """The handle to unshard ahead of its use now that ``current_handle``'s
-        hook runs, by its training state (forward, pre- or post-backward) and this
-        unit's prefetch settings; None for none (see [Note: Execution order and
-        prefetch] in fsdp._exec_order). The seam tests patch (torch's
+        hook runs; None for none (see [Note: Execution order and prefetch] in
+        fsdp._exec_order). The seam tests patch (torch's
         ``_runtime_utils._get_handle_to_prefetch(state, current_handle)``)."""
-        prefetch = self.config.backward_prefetch
-        if prefetch is None and not self.config.forward_prefetch:
+        backward, forward = self.config.backward_prefetch, self.config.forward_prefetch
+        if backward is None and not forward:
             return None
-        order = self.root.exec_order
-        training_state = current_handle.training_state
-        if (
-            training_state is HandleTrainingState.BACKWARD_PRE
-            and prefetch is BackwardPrefetch.BACKWARD_PRE
-        ) or (
-            training_state is HandleTrainingState.BACKWARD_POST
-            and prefetch is BackwardPrefetch.BACKWARD_POST
-        ):
-            candidate = order.backward_candidate(current_handle)
-            if candidate is not None and candidate.awaits_backward() and not candidate.prefetched:
-                return candidate
-        elif training_state is HandleTrainingState.FORWARD and self.config.forward_prefetch:
-            candidate = order.forward_candidate(current_handle)
-            if candidate is not None and not candidate.prefetched:
-                return candidate
-        return None
+        return self.root.exec_order.prefetch_candidate(current_handle, backward, forward)
 
-    def _prefetch_after(self, handle: FlatParamHandle) -> None:
+    def _prefetch_after(self, handle: FlatParamHandle, for_forward: bool) -> None:
         target = self._get_handle_to_prefetch(handle)
-        if target is None:
-            return
-        state = self.root.state_of(target)
-        if handle.training_state is HandleTrainingState.FORWARD:
-            target.prefetch_for_forward(state.full_precision_now())
-        else:
-            state.unshard_ahead()
+        if target is not None:
+            self.root.state_of(target).unshard_ahead(for_forward)
 
-    def unshard_ahead(self) -> torch.cuda.Event | None:
+    def unshard_ahead(self, for_forward: bool = False) -> torch.cuda.Event | None:
         """Starts this unit's all-gather ahead of its use (a prefetch, or
         ``_unshard``); see ``FlatParamHandle.unshard_ahead``."""
         if self.handle is None:
             return None
-        return self.handle.unshard_ahead(self.full_precision_now())
+        return self.handle.unshard_ahead(self.full_precision_now(), for_forward)
 
     # -- the flat parameter as a registered parameter of the wrapped module --------------
 

@@ -173,6 +173,21 @@ class FlatParamStorage:
         if not self.state.is_unsharded():
             self.flat_param._local_shard = self.flat_param.data
 
+    def check_device(self) -> None:
+        """Torch's checks and messages at lazy initialisation: the module was not
+        moved away from where construction put the shard."""
+        device = self.flat_param.device
+        if self.offload_params and device.type != "cpu":
+            raise RuntimeError(
+                "An FSDP-managed module with parameter CPU offloading enabled has parameters on "
+                f"{device}. Make sure to not move the module from CPU when offloading parameters."
+            )
+        if not self.offload_params and device != self.device:
+            raise RuntimeError(
+                f"An FSDP-managed module unexpectedly has parameters on {device}. Make sure to "
+                f"move the module to {self.device} before training."
+            )
+
     def init_buffers(self) -> None:
         """At lazy initialisation (the user may have moved or cast the module since
         construction): pins the offloaded shard, creates the unsharded buffers."""

@@ -13,8 +13,9 @@ one backward: from AWAITING_BACKWARD a forward runs as
 ``SUMMONED_BEFORE_BACKWARD``. A post-backward without a pre-backward (the
 unit's outputs needed no gradient while its parameters got one through another
 path) goes to POST_BACKWARD straight. ``UNIT_TRANSITIONS`` lists every move;
-``FlatParamHandle.training_state`` reads the state as torch's
-``HandleTrainingState`` (``TORCH_STATE``).
+``UnitLifecycle`` holds it with the verbs of the unit's hooks, and
+``UnitLifecycle.torch_state`` reads it as torch's ``HandleTrainingState``
+(``TORCH_STATE``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,16 @@ from __future__ import annotations
 import enum
 
 from fsdp._common import HandleTrainingState
+from fsdp._lifecycle import Lifecycle
 
-__all__ = ["PREFETCH_TRANSITIONS", "TORCH_STATE", "UNIT_TRANSITIONS", "Prefetch", "UnitState"]
+__all__ = [
+    "PREFETCH_TRANSITIONS",
+    "TORCH_STATE",
+    "UNIT_TRANSITIONS",
+    "Prefetch",
+    "UnitLifecycle",
+    "UnitState",
+]
 
 
 class UnitState(enum.Enum):
@@ -97,3 +106,74 @@ PREFETCH_TRANSITIONS: dict[Prefetch, frozenset[Prefetch]] = {
     _P.GATHERED: frozenset({_P.NONE, _P.GATHERED, _P.SHOWN}),
     _P.SHOWN: frozenset({_P.NONE, _P.SHOWN}),
 }
+
+
+class UnitLifecycle(Lifecycle[UnitState]):
+    """The unit's ``UnitState`` and the moves of its hooks (see [Note: The unit's
+    lifecycle]); only the unit calls the verbs."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(UnitState.IDLE, UNIT_TRANSITIONS, "FlatParamHandle")
+
+    @property
+    def torch_state(self) -> HandleTrainingState:
+        return TORCH_STATE[self.state]
+
+    def recomputing_in_backward(self) -> bool:
+        """A forward of the unit runs inside its own backward (activation
+        checkpointing recomputes it): the unit is already unsharded for it."""
+        return self.state is UnitState.PRE_BACKWARD
+
+    def awaits_backward(self) -> bool:
+        """Forward ran with grad this iteration and its backward has not started."""
+        return self.state is UnitState.AWAITING_BACKWARD
+
+    def backward_missed(self) -> bool:
+        """Pre-backward ran but the hooked node never fired (its forward's graph
+        was dropped): the end of backward must finish the unit."""
+        return self.state is UnitState.PRE_BACKWARD
+
+    def begin_forward(self) -> None:
+        if self.state is UnitState.AWAITING_BACKWARD:
+            self.move(UnitState.FORWARD_BEFORE_BACKWARD)
+        else:
+            self.move(UnitState.FORWARD)
+
+    def end_forward(self, awaits_backward: bool) -> None:
+        if self.state is UnitState.FORWARD_BEFORE_BACKWARD or awaits_backward:
+            self.move(UnitState.AWAITING_BACKWARD)
+        else:
+            self.move(UnitState.IDLE)
+
+    def begin_backward(self) -> bool:
+        """The pre-backward; False when it already ran (or the unit produced
+        nothing that needs a gradient), so that it runs once per iteration."""
+        if self.state is not UnitState.AWAITING_BACKWARD:
+            return False
+        self.move(UnitState.PRE_BACKWARD)
+        return True
+
+    def end_backward(self) -> None:
+        """The post-backward (the gradient is accumulated). Without a pre-backward
+        first, the unit's outputs needed no gradient while its parameters got
+        one through another path."""
+        self.move(UnitState.POST_BACKWARD)
+
+    def begin_summon(self) -> None:
+        """Torch's check and message: only an idle unit is summoned."""
+        if self.state is UnitState.AWAITING_BACKWARD:
+            self.move(UnitState.SUMMONED_BEFORE_BACKWARD)
+        elif self.state is UnitState.IDLE:
+            self.move(UnitState.SUMMONED)
+        else:
+            raise AssertionError(
+                f"Expects the handle training to be IDLE but got {self.torch_state}"
+            )
+
+    def end_summon(self) -> None:
+        if self.state is UnitState.SUMMONED_BEFORE_BACKWARD:
+            self.move(UnitState.AWAITING_BACKWARD)
+        else:
+            self.move(UnitState.IDLE)
