@@ -25,6 +25,11 @@
 #                                              # 6 interleaved rounds (twice) and the 937M model
 #   bash bench/gpu_session.sh conformance [N]  # the conformance survey at world size 2 on NCCL,
 #                                              # N scenarios, every report in $OUT
+#   bash bench/gpu_session.sh fsdp2steps      # 2+ GPUs: fully_shard, this project's against torch's:
+#                                              # the 937M model at world sizes 1, 2 and 4 (those the
+#                                              # GPUs allow), the latency-bound preset at 1 and 2
+#   bash bench/gpu_session.sh deep WS [N]      # the deep conformance search at world size WS on
+#                                              # NCCL, N (700) scenarios, stats in $OUT
 #   bash bench/gpu_session.sh replays FILE     # each scenario of FILE ("NAME REPLAY_ID" a line)
 #                                              # replayed on the GPUs, a log each in $OUT
 #
@@ -232,6 +237,28 @@ replays)
             --device cuda --replay-example "$id" >"$OUT/replay-$n.log" 2>&1
         echo "$n $name: $(tail -n 1 "$OUT/replay-$n.log")"
     done <"${1:?usage: bench/gpu_session.sh replays FILE}"
+    ;;
+fsdp2steps)
+    gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    for ws in 1 2 4; do
+        [ "$ws" -gt "$gpus" ] && continue
+        timeout 150 python3 bench/fsdp_step.py --preset gpt-937m --world-size "$ws" --warmup 3 --steps 30 \
+            --modes torch-fsdp2,local-fsdp2 --json "$OUT/fsdp2-937m-ws$ws.json" 2>&1 |
+            tee "$OUT/fsdp2-937m-ws$ws.log" | grep -v Warning | tail -n 8
+    done
+    for ws in 1 2; do
+        timeout 100 python3 bench/fsdp_step.py --preset latency --world-size "$ws" --warmup 5 --steps 60 \
+            --rounds 6 --modes torch-fsdp2,local-fsdp2 --json "$OUT/fsdp2-latency-ws$ws.json" 2>&1 |
+            tee "$OUT/fsdp2-latency-ws$ws.log" | grep -v Warning | tail -n 8
+    done
+    ;;
+deep)
+    ws=${1:?WS}
+    timeout "${DEEP_TIMEOUT:-540}" $PYTEST -p no:randomly \
+        "suites/test_conformance.py::test_fsdp_conforms_to_the_reference[$ws]" --device cuda \
+        --hypothesis-profile deep --conformance-survey --conformance-scenarios "${2:-700}" -q -rfE \
+        --tb=short --conformance-stats "$OUT/deep-ws$ws.jsonl" >"$OUT/deep-ws$ws.log" 2>&1
+    grep -h "^conformance:\|passed\|failed" "$OUT/deep-ws$ws.log" | tail -n 30
     ;;
 *)
     echo "unknown step $STEP" >&2
