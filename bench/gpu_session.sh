@@ -247,6 +247,7 @@ fsdp2steps)
             tee "$OUT/fsdp2-937m-ws$ws.log" | grep -v Warning | tail -n 8
     done
     for ws in 1 2; do
+        [ "$ws" -gt "$gpus" ] && continue
         timeout 100 python3 bench/fsdp_step.py --preset latency --world-size "$ws" --warmup 5 --steps 60 \
             --rounds 6 --modes torch-fsdp2,local-fsdp2 --json "$OUT/fsdp2-latency-ws$ws.json" 2>&1 |
             tee "$OUT/fsdp2-latency-ws$ws.log" | grep -v Warning | tail -n 8
