@@ -17,10 +17,13 @@ from __future__ import annotations
 import pytest
 
 from fsdptest import FSDPTest
+from fsdptest.conformance.fixed import fitted, fixed_sample
 from fsdptest.conformance.scenario import Scenario
 from fsdptest.conformance.search import ConformanceSearch
+from fsdptest.reach.features import scenario_rows
 
 WORLD_SIZES = (2, 3, 4)
+FIXED = fixed_sample()
 
 
 class ConformanceRanks(FSDPTest):
@@ -45,3 +48,21 @@ def test_replay_scenario(
 ) -> None:
     """The scenario of ``--replay-example`` is observed the same under both."""
     conformance_search.check(ConformanceRanks, replayed_scenario)
+
+
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_fixed_scenario(conformance_search: ConformanceSearch, name: str) -> None:
+    """Each scenario of the fixed sample ([Note: A fixed sample beside the drawn
+    one] in fsdptest.conformance.fixed) still exercises its row of the reach
+    table, and is observed the same under both implementations."""
+    fixed = FIXED[name]
+    target = conformance_search.target(fixed.scenario.world_size)
+    if not fixed.runs_here(target):
+        pytest.skip(
+            f"{fixed.row}: the reference cannot run it on {target.device_type} ranks "
+            "(the accelerator runs cover it)"
+        )
+    scenario = fitted(fixed, target)
+    rows = scenario_rows(scenario)
+    assert fixed.row in rows, f"{name} no longer exercises {fixed.row!r}:\n{scenario.describe()}"
+    conformance_search.check(ConformanceRanks, scenario)

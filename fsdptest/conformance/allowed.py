@@ -57,6 +57,46 @@ def _entries(*entries: Unasked) -> dict[str, Unasked]:
 
 UNASKED = _entries(
     Unasked(
+        "REPLACED_TIED_PARAMETERS",
+        "use_orig_params: a tied parameter replaced under all its names by one new "
+        "nn.Parameter, then edited inside summon_full_params: torch's FSDP raises "
+        "NotImplementedError ('Changing shared parameters is not supported yet') at a later "
+        "unshard on some ranks only, which leaves the others in a collective; this "
+        "project's FSDP keeps the tie. Models with ties do not replace parameters where "
+        "either side is torch's",
+        "suites/test_replaced_parameters.py::ReplacedParameters::"
+        "test_replaced_tied_parameter_stays_tied",
+    ),
+    Unasked(
+        "INFERENCE_MODE_FORWARD_PREFETCH",
+        "A block run under torch.inference_mode() with forward_prefetch=True: the unit "
+        "after it is all-gathered and shown by the prefetch inside inference mode, so its "
+        "views are inference tensors of which autograd makes nothing, and torch's FSDP never "
+        "gives that unit a gradient (this project's FSDP leaves inference mode for the "
+        "prefetch). Such blocks run under no_grad where either side is torch's",
+        "suites/test_fsdp_freezing_weights.py::TestAutogradOffFamily::"
+        "test_trunk_without_autograd_trains_like_ddp",
+    ),
+    Unasked(
+        "DETACHED_UNIT_PREFETCHED_IN_BACKWARD",
+        "NO_SHARD with use_orig_params and a backward prefetch: a unit whose output is "
+        "detached (its backward never runs) is unsharded by a prefetch in backward and keeps "
+        "its Tensor views in torch's FSDP, so its parameters vanish from parameters(). Such "
+        "blocks run under no_grad where either side is torch's",
+        "suites/test_fsdp_freezing_weights.py::TestAutogradOffFamily::"
+        "test_trunk_without_autograd_trains_like_ddp",
+    ),
+    Unasked(
+        "ZERO_GRAD_BETWEEN_FORWARD_AND_BACKWARD_WITHOUT_RESHARD",
+        "SHARD_GRAD_OP or _HYBRID_SHARD_ZERO2 with use_orig_params: zero_grad() between a "
+        "forward and its backward makes torch's FSDP train wrong from the next step on "
+        "(the third step's loss differs from DDP's; this project's FSDP trains as DDP). No "
+        "zero_grad comes between a forward and its backward there where either side is "
+        "torch's",
+        "suites/test_fsdp_freezing_weights.py::TestZeroGradBetweenForwardAndBackward::"
+        "test_zero_grad_between_forward_and_backward",
+    ),
+    Unasked(
         "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
         "torch's FSDP cannot offload parameters on a CPU-only machine: it pins memory and "
         "synchronises accelerator streams ('Cannot access accelerator device when none is "

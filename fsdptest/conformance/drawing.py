@@ -28,7 +28,6 @@ preconditions, bundles of saved objects and step deletion for free.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fsdptest.conformance import scenario as sc
+from fsdptest.conformance.drawing_state import Saved, SavedOptim, StateDictRules
 from fsdptest.conformance.history import GradHistory
 from fsdptest.conformance.setups import fit_inputs, ignored, nets, setups
 from fsdptest.conformance.target import Target
@@ -56,34 +56,7 @@ ZERO_GRADS = (None, True, True, False)
 MAX_NORMS = (0.05, 1000.0)
 
 
-def settings_strategy(kinds: list[sc.StateDictKind]) -> st.SearchStrategy[sc.Settings]:
-    return st.builds(
-        sc.Settings,
-        kind=st.sampled_from(kinds),
-        configs=st.booleans(),
-        offload_to_cpu=st.booleans(),
-        rank0_only=st.booleans(),
-        dtensor=st.booleans(),
-        optim_offload=st.booleans().map(lambda b: not b),
-        optim_rank0_only=st.booleans(),
-    )
-
-
-@dataclasses.dataclass
-class Saved:
-    """A state dict the program saved: the settings in effect then."""
-
-    settings: sc.Settings
-
-
-@dataclasses.dataclass
-class SavedOptim:
-    api: sc.OptimApi
-    settings: sc.Settings  # in effect when saved
-    rank0_only: bool  # only rank 0 holds it
-
-
-class ProgramMachine(RuleBasedStateMachine):
+class ProgramMachine(StateDictRules, RuleBasedStateMachine):
     """Draws a scenario and checks it (see [Note: Programs are drawn by a
     rule-based state machine]). A subclass made by ``machine_for`` sets the
     target and the check."""
@@ -217,6 +190,13 @@ class ProgramMachine(RuleBasedStateMachine):
         self.inited = True
         self.kept = True
 
+    @precondition(lambda self: self.pending and not self._in("summon"))
+    @rule()
+    def forward_again(self) -> None:
+        """Another forward before the waiting one's backward: one backward through
+        both losses (several forwards before one backward)."""
+        self._add(sc.Forward(again=True))
+
     @precondition(lambda self: self.pending)
     @rule()
     def backward(self) -> None:
@@ -230,7 +210,13 @@ class ProgramMachine(RuleBasedStateMachine):
     def optim_step(self) -> None:
         self._add(sc.OptimStep())
 
-    @precondition(lambda self: self.net is not None and not self._in("summon"))
+    @precondition(
+        lambda self: (
+            self.net is not None
+            and not self._in("summon")
+            and (not self.pending or self.TARGET.may_zero_grad_before_backward(self.setup))
+        )
+    )
     @rule(set_to_none=st.booleans(), on_model=st.booleans())
     def zero_grad(self, set_to_none: bool, on_model: bool) -> None:
         self._zero_grad(set_to_none, on_model)
@@ -281,127 +267,6 @@ class ProgramMachine(RuleBasedStateMachine):
     @rule(max_norm=st.sampled_from(MAX_NORMS), norm_type=st.sampled_from(NORMS))
     def clip_grad_norm(self, max_norm: float, norm_type: float) -> None:
         self._clip(max_norm, norm_type)
-
-    # -- state dicts ---------------------------------------------------------------------------
-
-    def _kinds(self) -> list[sc.StateDictKind]:
-        return self.TARGET.state_dict_kinds(self.setup)
-
-    @precondition(lambda self: self.net is not None and not self.pending)
-    @rule(data=st.data())
-    def set_state_dict_type(self, data: st.DataObject) -> None:
-        settings = self.TARGET.fit_settings(
-            data.draw(settings_strategy(self._kinds()), label="settings"), self.setup
-        )
-        self._add(sc.SetStateDictType(settings))
-        self.settings = settings  # until an enclosing state_dict_type context restores its own
-
-    @precondition(lambda self: self.net is not None and not self.pending)
-    @rule(data=st.data())
-    def enter_state_dict_type(self, data: st.DataObject) -> None:
-        settings = self.TARGET.fit_settings(
-            data.draw(settings_strategy(self._kinds()), label="settings"), self.setup
-        )
-        self._add(sc.EnterStateDictType(settings))
-        self.contexts.append(("state_dict_type", self.settings))
-        self.settings = settings
-
-    @precondition(
-        lambda self: (
-            self._free()
-            and not (
-                self.history.replaced
-                and self.settings.kind is sc.StateDictKind.LOCAL
-                and not self.TARGET.may_save_local_before_writeback()
-            )
-        )
-    )
-    @rule()
-    def save_state_dict(self) -> None:
-        self._add(sc.SaveStateDict())
-        self.saved.append(Saved(self.settings))
-
-    def _loadable(self) -> list[int]:
-        """Slots saved under the kind in effect, by every rank."""
-        return [
-            i
-            for i, saved in enumerate(self.saved)
-            if saved.settings.kind is self.settings.kind
-            and not (saved.settings.kind is sc.StateDictKind.FULL and saved.settings.rank0_only)
-            and self.TARGET.may_load(self.setup, saved.settings.kind)
-            and not (
-                saved.settings.kind is sc.StateDictKind.LOCAL
-                and self.kept
-                and not self.TARGET.may_load_local_after_forward()
-            )
-        ]
-
-    @precondition(lambda self: self._free() and bool(self._loadable()))
-    @rule(
-        data=st.data(),
-        strict=st.booleans().map(lambda b: not b),
-        edit=st.sampled_from(list(sc.LoadEdit)),
-    )
-    def load_state_dict(self, data: st.DataObject, strict: bool, edit: sc.LoadEdit) -> None:
-        slot = data.draw(st.sampled_from(self._loadable()), label="slot")
-        self._add(sc.LoadStateDict(slot=slot, strict=strict, edit=edit))
-
-    # -- optimizer state dicts --------------------------------------------------------------------
-
-    @precondition(lambda self: self._free() and self._may_save_optim())
-    @rule(api=st.sampled_from(list(sc.OptimApi)))
-    def save_optim_state(self, api: sc.OptimApi) -> None:
-        self._save_optim(api)
-
-    def _may_save_optim(self) -> bool:
-        return self.TARGET.may_save_optim_state(self.setup) and not (
-            self.history.optim_partial
-            and self.setup.use_orig_params
-            and not self.TARGET.may_save_optim_state_of_some()
-        )
-
-    def _save_optim(self, api: sc.OptimApi) -> None:
-        settings = self.settings
-        if api is sc.OptimApi.OPTIM_STATE_DICT and settings.kind is sc.StateDictKind.LOCAL:
-            api = sc.OptimApi.FULL
-        rank0_only = api is sc.OptimApi.FULL or (
-            api is sc.OptimApi.OPTIM_STATE_DICT
-            and settings.kind is sc.StateDictKind.FULL
-            and settings.configs
-            and settings.optim_rank0_only
-        )
-        self._add(sc.SaveOptimState(api=api))
-        self.saved_optim.append(SavedOptim(api, settings, rank0_only))
-
-    def _optim_loadable(self) -> list[int]:
-        slots = []
-        for i, saved in enumerate(self.saved_optim):
-            if saved.api is not sc.OptimApi.OPTIM_STATE_DICT:
-                slots.append(i)
-            elif saved.settings.kind is self.settings.kind and not saved.rank0_only:
-                slots.append(i)
-        return slots
-
-    @precondition(lambda self: self._free() and bool(self._optim_loadable()))
-    @rule(data=st.data(), scatter=st.booleans())
-    def load_optim_state(self, data: st.DataObject, scatter: bool) -> None:
-        slot = data.draw(st.sampled_from(self._optim_loadable()), label="slot")
-        self._add(sc.LoadOptimState(slot=slot, scatter=scatter))
-
-    def _rekeyable(self) -> list[int]:
-        return [
-            i
-            for i, saved in enumerate(self.saved_optim)
-            if not saved.rank0_only
-            and (saved.api is not sc.OptimApi.SHARDED)
-            and (saved.api is sc.OptimApi.FULL or saved.settings.kind is sc.StateDictKind.FULL)
-        ]
-
-    @precondition(lambda self: self._free() and bool(self._rekeyable()))
-    @rule(data=st.data())
-    def rekey_optim_state(self, data: st.DataObject) -> None:
-        slot = data.draw(st.sampled_from(self._rekeyable()), label="slot")
-        self._add(sc.RekeyOptimState(slot=slot))
 
     # -- summon, apply, hooks, misuse ----------------------------------------------------------------
 
@@ -535,6 +400,24 @@ class ProgramMachine(RuleBasedStateMachine):
         shape, a misuse)."""
         flatten = flatten and self.TARGET.may_replace_data_of_another_shape(self.setup)
         self._add(sc.ReplaceData(flatten=flatten))
+        self.history.data_replaced()
+
+    @precondition(
+        lambda self: (
+            self._free()
+            and self.setup.use_orig_params
+            and not self.kept
+            and not self._in("no_sync")
+            and not self.history.has_grads
+            and self.TARGET.may_replace_parameters(self.net)
+        )
+    )
+    @rule()
+    def replace_parameters(self) -> None:
+        """``setattr(module, name, nn.Parameter(...))`` for every original
+        parameter between iterations (no gradients: they are not preserved), then
+        a new optimizer over the new parameters."""
+        self._add(sc.ReplaceParams())
         self.history.data_replaced()
 
     @precondition(

@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from fsdptest.conformance import scenario as sc
 from fsdptest.conformance.implementation import FsdpApi, as_a_user_writes
@@ -52,6 +51,14 @@ from fsdptest.conformance.observe import (
     catching,
     first_difference,
     sharing_with,
+)
+from fsdptest.conformance.run_env import (
+    STATE_DICT_TYPES,
+    UNIT_ATTRIBUTES,
+    drop_parameter_hooks,
+    full_prec_in_eval,
+    own_group,
+    unit_attribute,
 )
 
 LR = 1e-2
@@ -167,7 +174,7 @@ class Run:
 
     def _release(self) -> None:
         if self.model is not None:
-            _drop_parameter_hooks(self.model)
+            drop_parameter_hooks(self.model)
         self.model = self.optim = self.loss = None
         self._saved.clear()
         self._saved_optim.clear()
@@ -192,7 +199,8 @@ class Run:
         kwargs = self._fsdp_kwargs(model)
         if meta:
             kwargs["param_init_fn"] = self._param_init_fn()
-        self.model = self.api.FSDP(model, **kwargs)
+        with full_prec_in_eval(setup.full_prec_in_eval):
+            self.model = self.api.FSDP(model, **kwargs)
         self._note("modules", self._structure())
         self._note_units()
         self.optim = self._optimizer()
@@ -240,8 +248,8 @@ class Run:
         replicate_layout = [list(range(s, world, shards)) for s in range(shards)]
         return {
             "process_group": (
-                _own_group(shard_layout, self.rank),
-                _own_group(replicate_layout, self.rank),
+                own_group(shard_layout, self.rank),
+                own_group(replicate_layout, self.rank),
             )
         }
 
@@ -321,6 +329,8 @@ class Run:
             loss = data.loss(output)
         self._note("output", output)
         self._note("loss", float(loss.detach().float().cpu()))
+        if op.again and self.loss is not None:  # one backward through both forwards
+            loss = self.loss + loss
         self.loss = None if op.no_grad else loss
 
     def _op_Backward(self, op: sc.Backward) -> None:
@@ -413,8 +423,8 @@ class Run:
             settings = self._settings
             rank0_only = settings.kind is sc.StateDictKind.FULL and settings.optim_rank0_only
         elif op.api is sc.OptimApi.FULL:
-            saved = FSDP.full_optim_state_dict(self.model, optim)
-            rank0_only = True
+            saved = FSDP.full_optim_state_dict(self.model, optim, rank0_only=op.rank0_only)
+            rank0_only = op.rank0_only
         else:
             saved = FSDP.sharded_optim_state_dict(self.model, optim)
         observed = self.observe(saved)
@@ -479,6 +489,17 @@ class Run:
         for _, param in self.model.named_parameters():
             data = param.detach().clone().mul_(0.5)
             param.data = data.reshape(-1) if op.flatten else data
+
+    def _op_ReplaceParams(self, op: sc.ReplaceParams) -> None:
+        replaced: dict[int, nn.Parameter] = {}  # a tied parameter stays one object
+        for _, module, name in self._attributes:
+            old = getattr(module, name, None)
+            if isinstance(old, nn.Parameter):
+                if id(old) not in replaced:
+                    new = old.detach().clone().mul_(0.5)
+                    replaced[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad)
+                setattr(module, name, replaced[id(old)])
+        self.optim = self._optimizer()
 
     def _op_ScaledBackward(self, op: sc.ScaledBackward) -> None:
         loss, self.loss = self.loss, None
@@ -632,7 +653,7 @@ class Run:
         holds them. A missing attribute is observed as ``None``."""
         for name, module in self.model.named_modules():
             if self.api.is_fsdp(module):
-                values = tuple((a, _unit_attribute(module, a)) for a in UNIT_ATTRIBUTES)
+                values = tuple((a, unit_attribute(module, a)) for a in UNIT_ATTRIBUTES)
                 self._note(f"unit {name or '(root)'} attributes", values)
 
     def _note_default_settings(self) -> None:
@@ -647,54 +668,3 @@ class Run:
                     self._note(f"default settings of {kind}", settings)
             if caught[0].error is not None:
                 self._note(f"default settings of {kind} raised", caught[0].error)
-
-
-STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
-UNIT_ATTRIBUTES = (
-    "rank",
-    "world_size",
-    "process_group",
-    "_inter_node_pg",
-    "sharding_strategy",
-    "cpu_offload",
-    "backward_prefetch",
-    "forward_prefetch",
-    "limit_all_gathers",
-    "mixed_precision",
-    "compute_device",
-)
-
-
-def _unit_attribute(unit: nn.Module, name: str) -> Any:
-    value = getattr(unit, name, None)
-    if isinstance(value, dist.ProcessGroup):
-        return ("group of ranks", tuple(dist.get_process_group_ranks(value)))
-    return value
-
-
-def _drop_parameter_hooks(model: nn.Module) -> None:
-    """Removes the autograd hooks an implementation keeps on its parameters and
-    clears their attributes, at the end of a run.
-
-    [Note: Runs that stop in a forward]
-    An FSDP hooks each flat parameter's AccumulateGrad node in its forward and
-    removes the hook after the backward. A run that stops in between (a forward
-    that raised) leaves it: the node keeps its hooks in C++, the hook the unit's
-    state, the state the node (torch's through the flat parameter's
-    ``_post_backward_hook_state``), a cycle the garbage collector cannot see, so
-    the unit and its process groups would outlive the scenario. Hooks are
-    removed through their handles (in the parameters' attributes, as torch keeps
-    them); the model is not used after this."""
-    with contextlib.suppress(Exception):
-        for param in model.parameters():
-            attributes = getattr(param, "__dict__", {})
-            for value in list(attributes.values()):
-                for item in value if isinstance(value, tuple) else (value,):
-                    if isinstance(item, RemovableHandle):
-                        item.remove()
-            attributes.clear()
-
-
-def _own_group(layout: list[list[int]], rank: int) -> Any:
-    groups = {tuple(ranks): dist.new_group(ranks) for ranks in layout}
-    return next(group for ranks, group in groups.items() if rank in ranks)

@@ -12,6 +12,7 @@ holds here too.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Callable
 
@@ -23,7 +24,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from fsdptest.conformance.scenario import ApplyFn, Block, Layer, LayerKind, Net
+from fsdptest.conformance.scenario import (
+    ApplyFn,
+    AutogradOff,
+    Block,
+    BufferDType,
+    Layer,
+    LayerKind,
+    Net,
+)
 from fsdptest.properties.modules import (
     Activated,
     PropertyModel,
@@ -63,11 +72,21 @@ class Counter(nn.Module):
         return x + self.offset.to(x.dtype)
 
 
+class TypedScale(Scale):
+    """``Scale`` with its buffer in a given dtype (the product is in the input's)."""
+
+    def __init__(self, width: int, persistent: bool, dtype: torch.dtype) -> None:
+        super().__init__(width, persistent)
+        self.scale = self.scale.to(dtype)
+
+
 class NetBlock(nn.Module):
-    """A scenario's ``Block``: its layers, then its child blocks."""
+    """A scenario's ``Block``: its layers, then its child blocks, with autograd
+    on or off (``Block.autograd``)."""
 
     def __init__(self, spec: Block, width_in: int) -> None:
         super().__init__()
+        self.autograd = spec.autograd
         layers = []
         for layer in spec.layers:
             layers.append(_layer(layer, width_in))
@@ -80,10 +99,29 @@ class NetBlock(nn.Module):
         self.children_blocks = nn.ModuleList(children)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers(x)
-        for child in self.children_blocks:
-            x = child(x)
+        off = self.autograd
+        region = _REGIONS.get(off, contextlib.nullcontext)
+        with region():
+            x = self.layers(x)
+            for child in self.children_blocks:
+                x = child(x)
+        if off is AutogradOff.DETACH:
+            return x.detach()
+        if off is AutogradOff.INFERENCE:
+            return x.clone()  # a normal tensor again: what follows may save it for backward
         return x
+
+
+_REGIONS: dict[AutogradOff, Callable[[], contextlib.AbstractContextManager[object]]] = {
+    AutogradOff.NO_GRAD: torch.no_grad,
+    AutogradOff.INFERENCE: torch.inference_mode,
+}
+_BUFFER_DTYPES = {
+    BufferDType.FLOAT32: torch.float32,
+    BufferDType.FLOAT64: torch.float64,
+    BufferDType.FLOAT16: torch.float16,
+    BufferDType.BFLOAT16: torch.bfloat16,
+}
 
 
 def _layer(spec: Layer, width_in: int) -> nn.Module:
@@ -105,7 +143,7 @@ def _layer(spec: Layer, width_in: int) -> nn.Module:
     elif kind is LayerKind.COUNTER:
         module = Counter(width_in, spec.persistent)
     else:
-        module = Scale(width_in, spec.persistent)
+        module = TypedScale(width_in, spec.persistent, _BUFFER_DTYPES[spec.buffer_dtype])
     if spec.frozen:
         module.requires_grad_(False)
     return module

@@ -48,6 +48,27 @@ class LayerKind(enum.Enum):
     CHECKPOINTED = "checkpointed"  # LINEAR inside an activation-checkpointing wrapper
 
 
+class BufferDType(enum.Enum):
+    """The dtype of a ``SCALE`` layer's buffer."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class AutogradOff(enum.Enum):
+    """How a block's forward runs without autograd (``ON``: with it): under
+    ``torch.no_grad()``, with its output detached, or under
+    ``torch.inference_mode()`` with its output cloned (an inference tensor cannot
+    be saved for the backward of what follows)."""
+
+    ON = "on"
+    NO_GRAD = "no_grad"
+    DETACH = "detach"
+    INFERENCE = "inference_mode"
+
+
 @dataclasses.dataclass(frozen=True)
 class Layer:
     kind: LayerKind
@@ -55,6 +76,7 @@ class Layer:
     bias: bool = True
     frozen: bool = False
     persistent: bool = True  # SCALE, COUNTER: whether the buffers are in the state dict
+    buffer_dtype: BufferDType = BufferDType.FLOAT32  # SCALE's buffer
 
     def out_width(self, width_in: int) -> int:
         changes = self.kind in (LayerKind.LINEAR, LayerKind.CHECKPOINTED)
@@ -69,6 +91,8 @@ class Layer:
         flags = [f for f, on in (("no-bias", not self.bias), ("frozen", self.frozen)) if on]
         if self.kind in (LayerKind.SCALE, LayerKind.COUNTER) and not self.persistent:
             flags = ["non-persistent"]
+        if self.kind is LayerKind.SCALE and self.buffer_dtype is not BufferDType.FLOAT32:
+            flags.append(self.buffer_dtype.value)
         shape = f"{width_in}->{self.out_width(width_in)}"
         return f"{self.kind.value}({', '.join([shape, *flags])})"
 
@@ -79,6 +103,7 @@ class Block:
 
     layers: tuple[Layer, ...]
     children: tuple[Block, ...] = ()
+    autograd: AutogradOff = AutogradOff.ON
 
     def out_width(self, width_in: int) -> int:
         for layer in self.layers:
@@ -90,6 +115,9 @@ class Block:
     def all_layers(self) -> tuple[Layer, ...]:
         return self.layers + tuple(layer for c in self.children for layer in c.all_layers())
 
+    def all_blocks(self) -> tuple[Block, ...]:
+        return (self, *(b for c in self.children for b in c.all_blocks()))
+
     def describe(self, width_in: int) -> str:
         parts = []
         for layer in self.layers:
@@ -98,7 +126,8 @@ class Block:
         for child in self.children:
             parts.append(child.describe(width_in))
             width_in = child.out_width(width_in)
-        return f"[{', '.join(parts)}]"
+        off = "" if self.autograd is AutogradOff.ON else f" under {self.autograd.value}"
+        return f"[{', '.join(parts)}]{off}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +156,9 @@ class Net:
 
     def layers(self) -> tuple[Layer, ...]:
         return tuple(layer for block in self.blocks for layer in block.all_layers())
+
+    def all_blocks(self) -> tuple[Block, ...]:
+        return tuple(b for block in self.blocks for b in block.all_blocks())
 
     def describe(self) -> str:
         if self.vocab:
@@ -186,6 +218,7 @@ class Setup:
     sync_module_states: bool = False
     rank_seeded: bool = False
     optimizer: Optimizer = Optimizer.SGD
+    full_prec_in_eval: bool = False  # FSDP_USE_FULL_PREC_IN_EVAL=1 while the units are built
 
     def describe(self) -> str:
         parts = [self.sharding.name]
@@ -213,6 +246,8 @@ class Setup:
             parts.append("meta device + param_init_fn")
         if self.rank_seeded:
             parts.append("each rank its own initial values")
+        if self.full_prec_in_eval:
+            parts.append("FSDP_USE_FULL_PREC_IN_EVAL=1")
         parts.append(f"optimizer={self.optimizer.name}")
         return ", ".join(parts)
 
@@ -308,10 +343,13 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Forward(Op):
-    """``loss = loss_fn(model(batch))``; ``no_grad``: under ``torch.no_grad()``."""
+    """``loss = loss_fn(model(batch))``; ``no_grad``: under ``torch.no_grad()``;
+    ``again``: another forward before the waiting one's backward, whose loss is
+    added to the waiting one (one backward through both)."""
 
     NAME: ClassVar[str] = "forward"
     no_grad: bool = False
+    again: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +428,7 @@ class LoadStateDict(Op):
 class SaveOptimState(Op):
     NAME: ClassVar[str] = "save optimizer state"
     api: OptimApi = OptimApi.OPTIM_STATE_DICT
+    rank0_only: bool = True  # full_optim_state_dict's (the FULL api's) argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,6 +490,16 @@ class ReplaceData(Op):
 
     NAME: ClassVar[str] = "replace parameter data"
     flatten: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaceParams(Op):
+    """``setattr(module, name, nn.Parameter(...))`` for every original parameter
+    (its values scaled by 0.5, its shape and ``requires_grad`` kept), then a new
+    optimizer over ``model.parameters()``, as a user who replaces parameters
+    writes it (``use_orig_params``)."""
+
+    NAME: ClassVar[str] = "replace parameters"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,6 +579,7 @@ OPS: dict[str, type[Op]] = {
         EditParams,
         SetGrads,
         ReplaceData,
+        ReplaceParams,
         ScaledBackward,
         ScalerStep,
         Apply,

@@ -20,6 +20,9 @@ MAX_BLOCKS, MAX_LAYERS, MAX_DEPTH = 3, 3, 2
 # what optimizer state dicts get wrong, and with use_orig_params it becomes SGD
 # (``Target.fit``: OPTIM_STATE_DICT_ALIASES_STATES_WITH_ORIG_PARAMS).
 OPTIMIZERS = (sc.Optimizer.SGD, sc.Optimizer.ADAM, sc.Optimizer.ADAM)
+# A block runs with autograd half the time: a frozen trunk is one block without it.
+_A = sc.AutogradOff
+AUTOGRAD = (_A.ON, _A.ON, _A.ON, _A.NO_GRAD, _A.DETACH, _A.INFERENCE)
 
 # -- models and constructor arguments ----------------------------------------------------------
 
@@ -51,6 +54,7 @@ def setups(draw: st.DrawFn, target: Target) -> sc.Setup:
         sync_module_states=sync,
         rank_seeded=sync and draw(st.booleans()),
         optimizer=draw(st.sampled_from(OPTIMIZERS)),
+        full_prec_in_eval=draw(st.booleans()),
     )
 
 
@@ -71,12 +75,16 @@ def layers(draw: st.DrawFn, frozen_layers: bool, frozen_block: bool) -> sc.Layer
     frozen = frozen_block or (frozen_layers and draw(st.booleans()))
     changes_width = kind in (sc.LayerKind.LINEAR, sc.LayerKind.CHECKPOINTED)
     has_buffers = kind in (sc.LayerKind.SCALE, sc.LayerKind.COUNTER)
+    scale = kind is sc.LayerKind.SCALE
     return sc.Layer(
         kind=kind,
         width=draw(st.sampled_from(SIZES)) if changes_width else 0,
         bias=draw(st.booleans().map(lambda b: not b)),
         frozen=frozen and not has_buffers,
         persistent=draw(st.booleans().map(lambda b: not b)) if has_buffers else True,
+        buffer_dtype=draw(st.sampled_from(list(sc.BufferDType)))
+        if scale
+        else sc.BufferDType.FLOAT32,
     )
 
 
@@ -87,7 +95,8 @@ def blocks(draw: st.DrawFn, setup: sc.Setup, depth: int, frozen_layers: bool) ->
     children: list[sc.Block] = []
     if depth < MAX_DEPTH:
         children = draw(st.lists(blocks(setup, depth + 1, frozen_layers), max_size=2))
-    return sc.Block(tuple(drawn), tuple(children))
+    autograd = draw(st.sampled_from(AUTOGRAD))
+    return sc.Block(tuple(drawn), tuple(children), autograd)
 
 
 @st.composite

@@ -13,6 +13,8 @@ import torch
 from fsdptest.api import PublicAPI
 from fsdptest.conformance.allowed import PENDING_UNASKED, TORCH, UNASKED
 from fsdptest.conformance.scenario import (
+    AutogradOff,
+    Block,
     LayerKind,
     Net,
     Optimizer,
@@ -21,7 +23,12 @@ from fsdptest.conformance.scenario import (
     StateDictKind,
 )
 from fsdptest.implementations import resolve
-from fsdptest.properties.examples import Sharding, biased_one_by_one, first_block_trainable
+from fsdptest.properties.examples import (
+    Prefetch,
+    Sharding,
+    biased_one_by_one,
+    first_block_trainable,
+)
 
 _ACCELERATOR_ONLY = (
     "CPU_OFFLOAD_WITHOUT_ACCELERATOR",
@@ -148,7 +155,39 @@ class Target:
         if self._tied_low_precision(setup, net):
             precision = dataclasses.replace(setup.mixed_precision, keep_low_precision_grads=False)  # type: ignore[arg-type]
             setup = dataclasses.replace(setup, mixed_precision=precision)
-        return setup, net
+        return setup, self._fit_autograd(setup, net)
+
+    def _fit_autograd(self, setup: Setup, net: Net) -> Net:
+        """Blocks without autograd, but where the reference is not asked
+        (``INFERENCE_MODE_FORWARD_PREFETCH``, ``DETACHED_UNIT_PREFETCHED_IN_BACKWARD``)."""
+        changed: dict[AutogradOff, AutogradOff] = {}
+        if setup.forward_prefetch and not self.asks("INFERENCE_MODE_FORWARD_PREFETCH"):
+            changed[AutogradOff.INFERENCE] = AutogradOff.NO_GRAD
+        prefetches = setup.backward_prefetch is not Prefetch.NONE
+        no_shard = setup.sharding is Sharding.NO_SHARD and setup.use_orig_params
+        if no_shard and prefetches and not self.asks("DETACHED_UNIT_PREFETCHED_IN_BACKWARD"):
+            changed[AutogradOff.DETACH] = AutogradOff.NO_GRAD
+        if not changed:
+            return net
+
+        def visit(block: Block) -> Block:
+            children = tuple(visit(child) for child in block.children)
+            mode = changed.get(block.autograd, block.autograd)
+            return dataclasses.replace(block, children=children, autograd=mode)
+
+        return dataclasses.replace(net, blocks=tuple(visit(b) for b in net.blocks))
+
+    def may_replace_parameters(self, net: Net | None) -> bool:
+        """``REPLACED_TIED_PARAMETERS``."""
+        return net is None or not _has_ties(net) or self.asks("REPLACED_TIED_PARAMETERS")
+
+    def may_zero_grad_before_backward(self, setup: Setup) -> bool:
+        """``zero_grad`` between a forward and its backward
+        (``ZERO_GRAD_BETWEEN_FORWARD_AND_BACKWARD_WITHOUT_RESHARD``)."""
+        keeps = setup.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
+        return not (keeps and setup.use_orig_params) or self.asks(
+            "ZERO_GRAD_BETWEEN_FORWARD_AND_BACKWARD_WITHOUT_RESHARD"
+        )
 
     def _tied_low_precision(self, setup: Setup, net: Net) -> bool:
         precision = setup.mixed_precision

@@ -195,6 +195,9 @@ class Config:
     wrap: Wrap = Wrap.NONE
     min_num_params: int = 0
     ignored_blocks: tuple[int, ...] = ()
+    # every rank builds its model from its own seed; FSDP (sync_module_states=True)
+    # and DDP both start from rank 0's states
+    sync_module_states: bool = False
 
     def describe(self) -> str:
         parts = [self.sharding.name]
@@ -212,6 +215,8 @@ class Config:
         parts.append(wrap.get(self.wrap, f"size_based(min_num_params={self.min_num_params})"))
         if self.ignored_blocks:
             parts.append(f"ignored_modules=blocks{list(self.ignored_blocks)}")
+        if self.sync_module_states:
+            parts.append("sync_module_states=True (each rank its own initial values)")
         return ", ".join(parts)
 
     def shard_size(self, world_size: int) -> int:
@@ -243,6 +248,8 @@ class Between(enum.Enum):
     SHARDED_STATE_DICT = "sharded_state_dict"
     LOCAL_STATE_DICT = "local_state_dict"
     SUMMON_EDIT = "summon_edit"  # summon_full_params(writeback=True), scale every parameter
+    # the same with offload_to_cpu=True (the edits are made on CPU copies)
+    SUMMON_EDIT_OFFLOADED = "summon_edit_offloaded"
 
 
 SYNC, NO_SYNC = "S", "N"

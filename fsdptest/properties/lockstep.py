@@ -149,6 +149,7 @@ def fsdp_kwargs(example: Example, model: nn.Module, groups: Any) -> dict[str, An
         "forward_prefetch": config.forward_prefetch,
         "auto_wrap_policy": _policy(config),
         "ignored_modules": [model.blocks[i] for i in config.ignored_blocks],  # type: ignore[index]
+        "sync_module_states": config.sync_module_states,
     }
 
 
@@ -201,8 +202,9 @@ class Lockstep:
         self.case = case
         self.example = example
         self.rank = rank
-        model = build(example, current_device())
-        self.reference = reference(example, copy.deepcopy(model))
+        seed_offset = 7919 * rank if example.config.sync_module_states else 0
+        model = build(example, current_device(), seed_offset)
+        self.reference = reference(example, copy.deepcopy(model))  # DDP syncs rank 0's
         groups = process_groups(example, rank)
         self.fsdp = FSDP(model, **fsdp_kwargs(example, model, groups))
         self.tolerances = tolerances(example)
@@ -258,18 +260,19 @@ class Lockstep:
     def between(self, index: int, then: Between) -> None:
         if then is Between.NOTHING:
             return
-        if then is Between.SUMMON_EDIT:
-            self._edit()
+        if then in (Between.SUMMON_EDIT, Between.SUMMON_EDIT_OFFLOADED):
+            self._edit(offload_to_cpu=then is Between.SUMMON_EDIT_OFFLOADED)
         else:
             self.check_state_dict_round_trip(index, then)
         self.check_sharding(f"after step {index}'s {then.value}")
 
     @torch.no_grad()
-    def _edit(self) -> None:
+    def _edit(self, offload_to_cpu: bool) -> None:
         """Edits every parameter once; a tied parameter summoned under two names
         (torch's FSDP does that under ``MixedPrecision``) is edited once if both
         views share memory."""
-        with FSDP.summon_full_params(self.fsdp, writeback=True):
+        summon = FSDP.summon_full_params(self.fsdp, writeback=True, offload_to_cpu=offload_to_cpu)
+        with summon:
             edited: set[int] = set()
             for _, param in self.fsdp.named_parameters(remove_duplicate=False):
                 if param.numel() and param.data_ptr() not in edited:

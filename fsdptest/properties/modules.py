@@ -154,9 +154,10 @@ class PropertyModel(nn.Module):
         return self.head(x)
 
 
-def build(example: Example, device: torch.device) -> PropertyModel:
-    """The example's model, the same on every rank and every call."""
-    manual_seed(example.seed)
+def build(example: Example, device: torch.device, seed_offset: int = 0) -> PropertyModel:
+    """The example's model, the same on every rank and every call (each rank's
+    own with a ``seed_offset`` of its own)."""
+    manual_seed(example.seed + seed_offset)
     return PropertyModel(example.model).to(device)
 
 

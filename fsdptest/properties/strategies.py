@@ -120,6 +120,15 @@ class Target:
     def can_offload(self) -> bool:
         return self.impl != "torch" or self.device_type != "cpu"
 
+    def can_sync_module_states(self) -> bool:
+        """Torch's FSDP refuses CPU modules (fsdptest.limitations)."""
+        return self.can_offload()
+
+    def can_summon_offloaded(self) -> bool:
+        """Torch's summon_full_params(offload_to_cpu=True) on CPU ranks exposes
+        freed storage (fsdptest.limitations)."""
+        return self.can_offload()
+
     def replica_counts(self) -> list[int]:
         counts = [r for r in range(1, self.world_size + 1) if self.world_size % r == 0]
         if self.impl == "torch":
@@ -159,6 +168,7 @@ def configs(draw: st.DrawFn, target: Target) -> Config:
         forward_prefetch=draw(st.booleans()),
         wrap=wrap,
         min_num_params=draw(st.integers(1, 200)) if wrap is Wrap.SIZE else 0,
+        sync_module_states=target.can_sync_module_states() and draw(st.booleans()),
     )
 
 
@@ -217,6 +227,20 @@ def steps(draw: st.DrawFn) -> Step:
         clip=draw(st.sampled_from(list(Clip))),
         then=draw(st.sampled_from(list(Between))),
     )
+
+
+def _may_summon_offloaded(target: Target, config: Config) -> bool:
+    """``offload_to_cpu=True`` needs sharded units (``NO_SHARD`` refuses it, and a
+    one-rank shard group is ``NO_SHARD``)."""
+    shards = config.shard_size(target.world_size) > 1
+    sharded = config.sharding is not Sharding.NO_SHARD and shards
+    return sharded and target.can_summon_offloaded()
+
+
+def _summon_on_the_device(step: Step) -> Step:
+    if step.then is Between.SUMMON_EDIT_OFFLOADED:
+        return dataclasses.replace(step, then=Between.SUMMON_EDIT)
+    return step
 
 
 def _fit_inputs(config: Config, model: Model) -> Config:
@@ -320,6 +344,8 @@ def examples(draw: st.DrawFn, target: Target) -> Example:
     schedule = draw(st.lists(steps(), min_size=1, max_size=MAX_STEPS))
     if config.ignored_blocks:
         schedule = [dataclasses.replace(step, clip=Clip.NONE) for step in schedule]
+    if not _may_summon_offloaded(target, config):
+        schedule = [_summon_on_the_device(step) for step in schedule]
     example = Example(
         world_size=target.world_size,
         model=model,
