@@ -1,7 +1,7 @@
 """Showing a tensor or a parameter under an original name by writing the
 module's dicts leaves the module exactly as ``hasattr``/``delattr``/``setattr``
-through ``nn.Module`` leave it (see [Note: Cheap between-use bookkeeping] in
-fsdp._orig_params), and classes or hooks that change attribute access still go
+through ``nn.Module`` leave it (see [Note: Writing the module's dicts] in
+fsdp._setattr), and classes or hooks that change attribute access still go
 through ``setattr``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fsdp import _orig_params
+from fsdp import _setattr
 
 State = tuple[list[str], list[str], list[str], list[str], list[int]]
 
@@ -72,9 +72,9 @@ def test_set_param_writes_the_dicts_as_setattr_would(setup: str) -> None:
     """A parameter shown again: same names, order and objects as delattr/setattr."""
     fast, reference = _pair(SETUPS[setup])
     param = nn.Parameter(torch.zeros(2, 3))
-    assert _orig_params._plain_parameter_name(fast, "weight", param)
-    _orig_params.set_param(fast, "weight", param, safe=True)
-    _orig_params._safe_setattr(reference, "weight", param)
+    assert _setattr._plain_parameter_name(fast, "weight", param)
+    _setattr.set_param(fast, "weight", param, safe=True)
+    _setattr._safe_setattr(reference, "weight", param)
     assert _state(fast) == _state(reference)
     assert fast.weight is param and list(fast._parameters) == ["bias", "weight"]
 
@@ -84,9 +84,9 @@ def test_set_tensor_writes_the_dicts_as_setattr_would(setup: str) -> None:
     """A plain tensor shown: same names, order and objects as delattr/setattr."""
     fast, reference = _pair(SETUPS[setup])
     tensor = torch.ones(2, 3)
-    assert _orig_params._plain_module_attribute(fast, "weight")
-    _orig_params.set_tensor(fast, "weight", tensor, safe=True)
-    _orig_params._safe_setattr(reference, "weight", tensor)
+    assert _setattr._plain_module_attribute(fast, "weight")
+    _setattr.set_tensor(fast, "weight", tensor, safe=True)
+    _setattr._safe_setattr(reference, "weight", tensor)
     assert _state(fast) == _state(reference)
     assert fast.weight is tensor and "weight" not in fast._parameters
 
@@ -111,24 +111,24 @@ def test_overrides_and_hooks_take_setattr() -> None:
     counting = _CountingSetattr(3, 2)
     _forward_view(counting)
     before = _CountingSetattr.calls
-    _orig_params.set_param(counting, "weight", param, safe=True)
+    _setattr.set_param(counting, "weight", param, safe=True)
     assert _CountingSetattr.calls == before + 1 and counting.weight is param
-    assert not _orig_params._plain_module_attribute(_Getattr(3, 2), "weight")
+    assert not _setattr._plain_module_attribute(_Getattr(3, 2), "weight")
     plain = nn.Linear(3, 2)
     handle = nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, p: None
     )
     try:
-        assert not _orig_params._plain_parameter_name(plain, "weight", param)
+        assert not _setattr._plain_parameter_name(plain, "weight", param)
     finally:
         handle.remove()
-    assert _orig_params._plain_parameter_name(plain, "weight", param)
+    assert _setattr._plain_parameter_name(plain, "weight", param)
     non_leaf = nn.Parameter(torch.zeros(2, 3), requires_grad=False)
     non_leaf.add_(torch.ones(2, 3, requires_grad=True))
     assert non_leaf.grad_fn is not None
-    assert not _orig_params._plain_parameter_name(plain, "weight", non_leaf)
+    assert not _setattr._plain_parameter_name(plain, "weight", non_leaf)
     with pytest.raises(ValueError, match="non-leaf Tensor"):
-        _orig_params.set_param(plain, "weight", non_leaf, safe=True)
+        _setattr.set_param(plain, "weight", non_leaf, safe=True)
 
 
 def test_set_tensors_is_set_tensor_in_turn() -> None:
@@ -147,10 +147,10 @@ def test_set_tensors_is_set_tensor_in_turn() -> None:
     tensors = [torch.ones(2, 3) for _ in batched]
     infos = [ParamInfo("weight", m, f"m{i}") for i, m in enumerate(batched)]
     before = _CountingSetattr.calls
-    _orig_params.set_tensors(infos, tensors, safe=True)
+    _setattr.set_tensors(infos, tensors, safe=True)
     assert _CountingSetattr.calls == before + 1
     for module, tensor in zip(reference, tensors):
-        _orig_params.set_tensor(module, "weight", tensor, safe=True)
+        _setattr.set_tensor(module, "weight", tensor, safe=True)
     for fast, slow, tensor in zip(batched, reference, tensors):
         assert _state(fast)[:4] == _state(slow)[:4]  # the names (the objects differ)
         assert fast.weight is tensor and slow.weight is tensor
