@@ -384,14 +384,15 @@ class FlatParamHandle:
         """End of backward: reshards what is still unsharded, hands the sharded
         gradient to the optimizer (see fsdp._grads), and the iteration is over.
         A copy kept since forward for a backward that never ran is freed only
-        where forward's views were kept for it (use_orig_params, autograd on):
-        as torch's end-of-backward reshard, which frees only a flat parameter
-        that still points at unsharded data or skipped its sharded views, so a
-        unit run without autograd under SHARD_GRAD_OP keeps its copy and the
-        next forward gathers nothing."""
+        where forward's views were kept for it (use_orig_params, autograd on) or
+        a prefetch filled it: as torch's end-of-backward reshard, which frees
+        only a flat parameter that points at unsharded data (where torch's
+        prefetch leaves it) or skipped its sharded views, so a unit run without
+        autograd under SHARD_GRAD_OP keeps its copy and the next forward gathers
+        nothing."""
         storage = self.storage
-        kept = free and self._kept_forward_views and storage.unsharded_buffers()
-        if storage.is_unsharded() or kept:
+        waiting = self._kept_forward_views or self.prefetch.state is not Prefetch.NONE
+        if storage.is_unsharded() or (free and waiting and storage.unsharded_buffers()):
             self.reshard(free)
         fresh = self.grads.finish_backward(synced)
         if self._use_orig_params and self.flat_param.requires_grad:

@@ -81,12 +81,11 @@ class TypedScale(Scale):
 
 
 class NetBlock(nn.Module):
-    """A scenario's ``Block``: its layers, then its child blocks, with autograd
-    on or off (``Block.autograd``)."""
+    """A scenario's ``Block``: its layers, then its child blocks, each child called
+    with autograd on or off as its ``Block.autograd`` says (``run_block``)."""
 
     def __init__(self, spec: Block, width_in: int) -> None:
         super().__init__()
-        self.autograd = spec.autograd
         layers = []
         for layer in spec.layers:
             layers.append(_layer(layer, width_in))
@@ -97,19 +96,27 @@ class NetBlock(nn.Module):
             children.append(NetBlock(child, width_in))
             width_in = child.out_width(width_in)
         self.children_blocks = nn.ModuleList(children)
+        self.child_modes = tuple(child.autograd for child in spec.children)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        off = self.autograd
-        region = _REGIONS.get(off, contextlib.nullcontext)
-        with region():
-            x = self.layers(x)
-            for child in self.children_blocks:
-                x = child(x)
-        if off is AutogradOff.DETACH:
-            return x.detach()
-        if off is AutogradOff.INFERENCE:
-            return x.clone()  # a normal tensor again: what follows may save it for backward
+        x = self.layers(x)
+        for child, mode in zip(self.children_blocks, self.child_modes):
+            x = run_block(child, mode, x)
         return x
+
+
+def run_block(block: nn.Module, mode: AutogradOff, x: torch.Tensor) -> torch.Tensor:
+    """Calls ``block`` with autograd off as ``mode`` says. The region encloses the
+    call, as a model that freezes a trunk writes it (``with torch.no_grad(): x =
+    self.trunk(x)``): FSDP's pre-forward of the block's unit, and a forward
+    prefetch it starts, run inside it too."""
+    with _REGIONS.get(mode, contextlib.nullcontext)():
+        x = block(x)
+    if mode is AutogradOff.DETACH:
+        return x.detach()
+    if mode is AutogradOff.INFERENCE:
+        return x.clone()  # a normal tensor again: what follows may save it for backward
+    return x
 
 
 _REGIONS: dict[AutogradOff, Callable[[], contextlib.AbstractContextManager[object]]] = {
@@ -154,6 +161,13 @@ class ConformanceNet(PropertyModel):
     with this package's blocks (``Net`` has the fields ``PropertyModel`` reads)."""
 
     block_module = NetBlock
+
+    def __init__(self, spec: Net) -> None:
+        super().__init__(spec)  # type: ignore[arg-type]
+        self.block_modes = tuple(block.autograd for block in spec.blocks)
+
+    def run_block(self, index: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return run_block(block, self.block_modes[index], x)
 
 
 def build(spec: Net, seed: int, device: torch.device) -> ConformanceNet:
