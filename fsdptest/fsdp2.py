@@ -115,10 +115,25 @@ class Fsdp2KnownDefects:
     """A ``fully_shard`` that refused its arguments leaves the module marked as
     applied, so a corrected second call is refused
     (suites/fsdp2/test_fsdp2_errors.py asserts it)."""
+    dataclass_outputs_not_unsharded_in_backward: bool = False
+    """Before torch 2.13: a group's outputs inside a dataclass get no pre-backward
+    hook, so a group resharded after forward is not all-gathered again and its
+    backward fails ("setStorage: ... out of bounds for storage of size 0").
+    suites/fsdp2 skips those configurations (``skip_dataclass_outputs``)."""
 
     @classmethod
-    def all_present(cls) -> Fsdp2KnownDefects:
-        return cls(**{f.name: True for f in fields(cls)})
+    def of_torch(cls) -> Fsdp2KnownDefects:
+        """Torch's, for the torch that runs: every defect, less those its version fixed."""
+        present = {f.name: True for f in fields(cls)}
+        present["dataclass_outputs_not_unsharded_in_backward"] = _torch_before(2, 13)
+        return cls(**present)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    import torch
+
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return version < (major, minor)
 
 
 class Fsdp2API:
@@ -137,7 +152,7 @@ class Fsdp2API:
     def __init__(self, implementation: Implementation, module: ModuleType) -> None:
         self.implementation = implementation
         is_torch = implementation.kind == "torch"
-        self.known_defects = Fsdp2KnownDefects.all_present() if is_torch else Fsdp2KnownDefects()
+        self.known_defects = Fsdp2KnownDefects.of_torch() if is_torch else Fsdp2KnownDefects()
         self.module_name = module.__name__
         self.absent = tuple(name for name in FSDP2_DEFINING if not _has(module, name))
         self.provided = not self.absent

@@ -9,6 +9,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +20,7 @@ from harness.collectives import Collective, CollectiveRecorder
 from tests.fsdp.fully_shard_cases import (
     IMPLEMENTATIONS,
     OURS,
+    TORCH,
     assert_same_params,
     local_batch,
     lockstep,
@@ -31,6 +33,12 @@ from tests.fsdp.fully_shard_cases import (
 
 def _sharded(api: SimpleNamespace, device: torch.device, **kwargs: Any) -> nn.Sequential:
     return shard_layers(model(device), api, **kwargs)
+
+
+# torch 2.11's fully_shard([a, b]) gathers the group again for a module that runs after the
+# root's forward (the head per chunk); 2.13's, like ours, gathers it once in forward
+# (gpu-runs.md run 77).
+GROUPED_GATHERS_AS_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _gathers(recorder: CollectiveRecorder) -> list[int]:
@@ -220,6 +228,10 @@ class TestFullyShardModule(DistributedTest):
         """A parameter one rank uses and the other does not: with
         set_reduce_scatter_unused_params(True) its zero gradient is reduced too,
         and gradients are torch's."""
+        if not hasattr(TORCH.FSDPModule, "set_reduce_scatter_unused_params"):
+            pytest.skip(
+                f"torch {torch.__version__}'s FSDPModule has no set_reduce_scatter_unused_params"
+            )
         models = []
         for api in IMPLEMENTATIONS:
             torch.manual_seed(0)
@@ -314,7 +326,8 @@ class TestFullyShardModule(DistributedTest):
                 loss.backward()
             traces.append(_gathers(recorder))
             models.append(net)
-        self.assertEqual(traces[0], traces[1])
+        if GROUPED_GATHERS_AS_2_13:
+            self.assertEqual(traces[0], traces[1])
         assert_same_params(self, models[0], models[1])
         with self.assertRaisesRegex(RuntimeError, "requires a single root module"):
             lone = [nn.Linear(2, 2).to(self.device), nn.Linear(2, 2).to(self.device)]
