@@ -379,9 +379,12 @@ def _session(
     result = subprocess.run(
         command, cwd=ROOT, env={**env, BUG_ENV: bug}, capture_output=True, text=True
     )
-    failures = re.findall(
-        r"^(?:FAILED|SUBFAILED\S*|ERROR) (?:\([^)]*\) )?(\S+)", result.stdout, re.M
-    )
+    failures = [
+        f"{test} {config}".strip()
+        for config, test in re.findall(
+            r"^(?:FAILED|ERROR|SUBFAILED(\[.*?\]))(?: \([^)]*\))? (\S+)", result.stdout, re.M
+        )
+    ]
     return result.returncode, (failures[0] if failures else ""), time.monotonic() - started
 
 
