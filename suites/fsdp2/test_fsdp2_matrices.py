@@ -87,6 +87,20 @@ class TestFullyShardGradientMatrix(FSDP2Test):
             self._mean,
         )
 
+    def test_mean_gradient_low_precision_matrix(self) -> None:
+        """The same in float16 and bfloat16 parameters (the mean of 1..W is exact in
+        both at these world sizes), widths 1 to 8: the reduction and its division
+        run in the parameters' dtype."""
+        self.run_subtests(
+            {
+                "dim": [1, 2, 3, 4, 5, 6, 7, 8],
+                "dtype": [torch.float16, torch.bfloat16],
+                "bias": [True, False],
+                "reshard_after_forward": [True, False],
+            },
+            self._mean,
+        )
+
     def _mean(self, dim: int, dtype: torch.dtype, bias: bool, reshard_after_forward: bool) -> None:
         torch.manual_seed(0)
         model = ParamSum(nn.Linear(dim, dim + 1, bias=bias)).to(self.device, dtype)
