@@ -96,7 +96,6 @@ class FlatParamHandle:
     _reduce_plan: ReducePlan
     _streams: CommStreams | None  # the tree's, from lazy initialisation on
     _unshard_event: torch.cuda.Event | None
-    _kept_forward_views: bool  # the last reshard kept forward's views (use_orig_params)
     post_backward_hook: PostBackwardHook
     _fsdp_extension: DTensorExtensions | None
     _param_extensions: tuple[ParamExtension | None, ...]  # per original parameter
@@ -128,7 +127,6 @@ class FlatParamHandle:
             params = fsdp_extension.localize(params, fully_sharded_module)
         check_flattenable(params, use_orig_params)
         self._fsdp_extension = fsdp_extension
-        self._kept_forward_views = False
         self.process_group = process_group
         self.replicate_group = replicate_group
         self.rank = process_group.rank()
@@ -381,18 +379,12 @@ class FlatParamHandle:
         return self.flat_param.grad is not None
 
     def finalize_backward(self, free: bool, synced: bool) -> None:
-        """End of backward: reshards what is still unsharded, hands the sharded
-        gradient to the optimizer (see fsdp._grads), and the iteration is over.
-        A copy kept since forward for a backward that never ran is freed only
-        where forward's views were kept for it (use_orig_params, autograd on) or
-        a prefetch filled it: as torch's end-of-backward reshard, which frees
-        only a flat parameter that points at unsharded data (where torch's
-        prefetch leaves it) or skipped its sharded views, so a unit run without
-        autograd under SHARD_GRAD_OP keeps its copy and the next forward gathers
-        nothing."""
+        """End of backward: reshards what is still unsharded (also a copy kept
+        for a backward that never ran: torch keeps it, a known defect of its,
+        KnownDefects.keeps_frozen_units_unsharded), hands the sharded gradient to
+        the optimizer (see fsdp._grads), and the iteration is over."""
         storage = self.storage
-        waiting = self._kept_forward_views or self.prefetch.state is not Prefetch.NONE
-        if storage.is_unsharded() or (free and waiting and storage.unsharded_buffers()):
+        if storage.is_unsharded() or (free and storage.unsharded_buffers()):
             self.reshard(free)
         fresh = self.grads.finish_backward(synced)
         if self._use_orig_params and self.flat_param.requires_grad:
@@ -576,7 +568,6 @@ class FlatParamHandle:
             self._streams.release(storage.buffers_freed_by_reshard(free_unsharded), gathered)
         forward_data = storage.reshard(free_unsharded)
         self.prefetch.move(Prefetch.NONE)
-        self._kept_forward_views = self._use_orig_params and not use_sharded_views
         if self._use_orig_params and not use_sharded_views:
             self.views.keep_forward_views(forward_data)
         elif self._use_orig_params or free_unsharded or not self.uses_sharded_strategy:

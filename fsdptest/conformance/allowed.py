@@ -147,9 +147,11 @@ UNASKED = _entries(
     Unasked(
         "FROZEN_FIRST_UNIT_KEEPS_UNSHARDED",
         "a unit whose parameters are all frozen and whose inputs need no gradient (frozen "
-        "layers first in a model of float features) under SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 "
+        "layers first in a model of float features), or a unit run without autograd "
+        "(no_grad, detach, inference_mode), under SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 "
         "or NO_SHARD: torch reshards it from a hook that never fires; the first block with "
-        "parameters of such a model is trainable",
+        "parameters of such a model is trainable, and such strategies' blocks run with "
+        "autograd on",
         "suites/test_property_findings.py::TestPropertyFindingsWorld2::"
         "test_frozen_first_unit_is_resharded_after_backward",
     ),

@@ -66,7 +66,10 @@ def _autograd_off() -> list[Fixed]:
         # torch's FSDP drops an inference-mode unit's prefetched gradients (the drawing
         # does not ask it: INFERENCE_MODE_FORWARD_PREFETCH)
         prefetches = (False,) if mode is _A.INFERENCE else (True, False)
-        for sharding in (Sharding.FULL_SHARD, Sharding.SHARD_GRAD_OP):
+        # FULL_SHARD and HYBRID_SHARD: under the strategies that keep a unit unsharded
+        # after forward, torch never reshards a unit without backward (the target does
+        # not ask it: FROZEN_FIRST_UNIT_KEEPS_UNSHARDED)
+        for sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
             for prefetch in prefetches:
                 scenario = _scenario(
                     _two_blocks(mode),

@@ -159,14 +159,24 @@ class Target:
 
     def _fit_autograd(self, setup: Setup, net: Net) -> Net:
         """Blocks without autograd, but where the reference is not asked
-        (``INFERENCE_MODE_FORWARD_PREFETCH``, ``DETACHED_UNIT_PREFETCHED_IN_BACKWARD``)."""
+        (``INFERENCE_MODE_FORWARD_PREFETCH``, ``DETACHED_UNIT_PREFETCHED_IN_BACKWARD``,
+        and ``FROZEN_FIRST_UNIT_KEEPS_UNSHARDED``: a unit run without autograd has no
+        backward, so a strategy that keeps it unsharded after forward never reshards
+        it under torch's FSDP)."""
         changed: dict[AutogradOff, AutogradOff] = {}
-        if setup.forward_prefetch and not self.asks("INFERENCE_MODE_FORWARD_PREFETCH"):
+        keeps = setup.sharding in (
+            Sharding.SHARD_GRAD_OP,
+            Sharding.HYBRID_SHARD_ZERO2,
+            Sharding.NO_SHARD,
+        )
+        if keeps and not self.asks("FROZEN_FIRST_UNIT_KEEPS_UNSHARDED"):
+            changed = {mode: AutogradOff.ON for mode in AutogradOff}
+        elif setup.forward_prefetch and not self.asks("INFERENCE_MODE_FORWARD_PREFETCH"):
             changed[AutogradOff.INFERENCE] = AutogradOff.NO_GRAD
         prefetches = setup.backward_prefetch is not Prefetch.NONE
         no_shard = setup.sharding is Sharding.NO_SHARD and setup.use_orig_params
         if no_shard and prefetches and not self.asks("DETACHED_UNIT_PREFETCHED_IN_BACKWARD"):
-            changed[AutogradOff.DETACH] = AutogradOff.NO_GRAD
+            changed.setdefault(AutogradOff.DETACH, AutogradOff.NO_GRAD)
         if not changed:
             return net
 
