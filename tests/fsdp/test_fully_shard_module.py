@@ -37,7 +37,7 @@ def _sharded(api: SimpleNamespace, device: torch.device, **kwargs: Any) -> nn.Se
 
 # torch 2.11's fully_shard([a, b]) gathers the group again for a module that runs after the
 # root's forward (the head per chunk); 2.13's, like ours, gathers it once in forward
-# (gpu-runs.md run 77).
+# (docs/runs/gpu-runs.md, run 77).
 GROUPED_GATHERS_AS_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
