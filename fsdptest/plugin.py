@@ -54,6 +54,8 @@ from harness._types import Placement
 if TYPE_CHECKING:
     from fsdptest.conformance.scenario import Scenario
     from fsdptest.conformance.search import ConformanceSearch, Tally
+    from fsdptest.fsdp2search.program import Program
+    from fsdptest.fsdp2search.search import Fsdp2Search
     from fsdptest.properties.search import PropertySearch
     from harness.rank_calls import RankCalls
 
@@ -152,12 +154,13 @@ def pytest_configure(config: pytest.Config) -> None:
         register_profiles(examples)
 
 
-def _replayed(replay_id: str) -> Example | Scenario:
-    """The property example or conformance scenario of ``replay_id``."""
+def _replayed(replay_id: str) -> Example | Scenario | Program:
+    """The property example, conformance scenario or FSDP2 program of ``replay_id``."""
     from fsdptest.conformance.scenario import Scenario
+    from fsdptest.fsdp2search.program import Program
 
     errors = []
-    for kind in (Example, Scenario):
+    for kind in (Program, Example, Scenario):
         try:
             return kind.from_replay_id(replay_id)
         except Exception as error:  # base64, zlib, json or the value's own fields
@@ -214,6 +217,26 @@ def conformance_search(request: pytest.FixtureRequest, rank_calls: RankCalls) ->
     )
 
 
+@pytest.fixture(scope="module")
+def fsdp2_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> Fsdp2Search:
+    """Runs drawn FSDP2 programs on pooled ranks (see fsdptest.fsdp2search.search);
+    failures name ``test_replay_program`` of the requesting module for replay."""
+    from fsdptest.fsdp2search.search import BUDGETS, Fsdp2Search
+    from fsdptest.properties.search import chosen_profile
+
+    config = request.config
+    profile = chosen_profile(config.getoption("hypothesis_profile", None))
+    budget = BUDGETS.get(profile, BUDGETS["ci"])._replace(profile=profile)
+    count = config.getoption("conformance_scenarios")
+    return Fsdp2Search(
+        rank_calls,
+        config.getoption("fsdp_impl"),
+        config.getoption("fsdp_reference"),
+        f"{request.node.nodeid}::test_replay_program",
+        budget._replace(programs=count or budget.programs),
+    )
+
+
 def _replay_of(request: pytest.FixtureRequest, kind: type, what: str) -> Any:
     value = request.config.stash.get(replay_key, None)
     if not isinstance(value, kind):
@@ -233,6 +256,14 @@ def replayed_scenario(request: pytest.FixtureRequest) -> Scenario:
     from fsdptest.conformance.scenario import Scenario
 
     return _replay_of(request, Scenario, "conformance scenario")
+
+
+@pytest.fixture
+def replayed_program(request: pytest.FixtureRequest) -> Program:
+    """The FSDP2 program of ``--replay-example``; skips without one."""
+    from fsdptest.fsdp2search.program import Program
+
+    return _replay_of(request, Program, "FSDP2 program")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -263,6 +294,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     before = getattr(search, "checked", None)
     conformance = funcargs.get("conformance_search")
     scenarios = None if conformance is None else conformance.tally.scenarios
+    fsdp2 = funcargs.get("fsdp2_search")
+    programs = None if fsdp2 is None else fsdp2.checked
     result = yield
     if before is not None and search.checked == before:
         pytest.fail(
@@ -274,6 +307,11 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
         pytest.fail(
             "no scenario was checked: the conformance test ran, but no scenario was sent "
             "to the ranks",
+            pytrace=False,
+        )
+    if programs is not None and fsdp2.checked == programs:
+        pytest.fail(
+            "no FSDP2 program was checked: the search ran, but sent no program to the ranks",
             pytrace=False,
         )
     return result
