@@ -234,6 +234,8 @@ def fsdp2_search(request: pytest.FixtureRequest, rank_calls: RankCalls) -> Fsdp2
         config.getoption("fsdp_reference"),
         f"{request.node.nodeid}::test_replay_program",
         budget._replace(programs=count or budget.programs),
+        survey=config.getoption("conformance_survey"),
+        stats_file=Path(stats) if (stats := config.getoption("conformance_stats")) else None,
     )
 
 

@@ -10,14 +10,18 @@ replicated reference). Each runs per world size with the session's hypothesis
 profile (``fsdptest.properties.search.budget_of``: ``ci`` derandomized, ``deep``
 random with the database) and its own counts (``BUDGETS``: programs per world
 size and search, calls per program); ``--conformance-scenarios N`` replaces the
-count, as for the FSDP1 search. The ``ci`` budget keeps both searches at the
+count, as for the FSDP1 search, and ``--conformance-survey`` and
+``--conformance-stats FILE`` work as there (every program checked, failures
+listed at the end; one JSON line per program). The ``ci`` budget keeps both searches at the
 three world sizes near a minute on two CPU cores. A test that sent no program
 to the ranks fails (``Fsdp2Search.checked``).
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from hypothesis import given, settings
@@ -40,6 +44,18 @@ class Budget(NamedTuple):
 BUDGETS = {"ci": Budget(programs=3, ops=6), "deep": Budget(programs=700, ops=14, profile="deep")}
 
 
+SURVEY_SHOWN = 20
+
+
+def _first_difference(report: str) -> str:
+    """The first line of a failed program's report that names a difference."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("op ") or line.startswith("fully_shard"):
+            return line[:300]
+    return lines[0][:300] if lines else "(no report)"
+
+
 class ProgramFailed(AssertionError):
     """A program's runs differ; the message is the ranks' report, the program and
     how to replay it."""
@@ -49,15 +65,25 @@ class Fsdp2Search:
     """Runs drawn FSDP2 programs on the pooled ranks (see the module note)."""
 
     def __init__(
-        self, calls: RankCalls, impl: str, reference: str, replay_test: str, budget: Budget
+        self,
+        calls: RankCalls,
+        impl: str,
+        reference: str,
+        replay_test: str,
+        budget: Budget,
+        survey: bool = False,
+        stats_file: Path | None = None,
     ) -> None:
         self.calls = calls
         self.impl = impl
         self.reference = reference
         self.replay_test = replay_test
         self.budget = budget
+        self.survey = survey
+        self.stats_file = stats_file
         self.checked = 0
         self.seconds = 0.0
+        self.failures: list[str] = []  # a survey's failures: first difference and replay
 
     def search(self, ranks: type[DistributedTest], world_size: int, mode: str) -> None:
         """Draws ``budget.programs`` programs for ``world_size`` ranks and checks each."""
@@ -68,7 +94,15 @@ class Fsdp2Search:
         def drawn(program: Program) -> None:
             self.check(ranks, program, mode)
 
+        listed = len(self.failures)
         drawn()
+        failures = self.failures[listed:]
+        if failures:  # only in a survey: otherwise the first failure raised
+            shown = "\n".join(failures[:SURVEY_SHOWN])
+            raise ProgramFailed(
+                f"{len(failures)} {mode} programs at world size {world_size} failed (a survey; "
+                f"full reports: {self.stats_file or 'pass --conformance-stats PATH'}):\n{shown}"
+            )
 
     def check(self, ranks: type[DistributedTest], program: Program, mode: str) -> None:
         """Runs ``ranks().<mode>(program=...)`` on the program's ranks; raises
@@ -81,9 +115,32 @@ class Fsdp2Search:
         outcome = self.calls.run(
             ranks, mode, program.world_size, timeout_s=PROGRAM_TIMEOUT_S, **kwargs
         )
-        self.seconds += time.monotonic() - started
-        if not outcome.passed:
+        seconds = time.monotonic() - started
+        self.seconds += seconds
+        if self.stats_file is not None:
+            self._write_stats(program, mode, outcome, seconds)
+        if not outcome.passed and self.survey:
+            first = _first_difference(outcome.report)
+            self.failures.append(f"- {first}\n  {self.replay_command(program, mode)}")
+        elif not outcome.passed:
             raise ProgramFailed(self.report(program, mode, outcome))
+
+    def _write_stats(
+        self, program: Program, mode: str, outcome: CallOutcome, seconds: float
+    ) -> None:
+        record: dict[str, object] = {
+            "mode": mode,
+            "world_size": program.world_size,
+            "ops": len(program.ops),
+            "seconds": round(seconds, 2),
+            "passed": outcome.passed,
+            "replay": self.replay_command(program, mode),
+        }
+        if not outcome.passed:
+            record["report"] = outcome.report[:4000]
+        assert self.stats_file is not None
+        with self.stats_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def replay_command(self, program: Program, mode: str) -> str:
         return (
