@@ -33,6 +33,21 @@ of them is an error: it would have no shard to contribute. With
 elements in its shard (the optimizer never saw a gradient there), so the keys
 are the union over ranks, sorted, and a missing state contributes nothing.
 
+[Note: Parameters the optimizer holds and the model does not list]
+Parameters are named by ``named_parameters()`` at call time, as torch's FSDP
+names them, so an optimizer may hold a ``Parameter`` the model no longer lists:
+one the user set (``setattr(module, name, nn.Parameter(...))``) that FSDP did not
+keep, or one that was replaced after the optimizer was built. FSDP keeps a new
+object only where it writes it back: with ``use_orig_params=False`` never (the
+next forward shows the flat parameter's view under the name again), with
+``use_orig_params=True`` on the ranks whose shard holds elements of it (elsewhere
+the old, empty parameter comes back). Torch's outcomes, which ours keep: a save
+raises ``KeyError`` (the parameter) for such a parameter with state before any
+collective, or else when naming the param groups, after every collective; a
+load raises ``AssertionError`` after its collectives when the optimizer holds
+more parameters than the model lists, or else ``KeyError`` (the name) for a
+saved group's name that no parameter of the optimizer stands for. Whether a
+rank fails depends on its shard, so ranks may differ.
 """
 
 from __future__ import annotations

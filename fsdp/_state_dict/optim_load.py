@@ -156,6 +156,7 @@ def _rekey_to_optimizer(
     """``OptimStateKey`` s -> the local optimizer's keys; a saved group's FQNs -> its
     sorted keys. A key of a parameter the optimizer does not hold stays as FQNs."""
     key_of = {param: key for key, param in keys.items()}
+    _check_holds_no_more_than_the_model(key_of, params)
     by_fqns: dict[tuple[str, ...], ParamKey] = {}
     by_fqn: dict[str, ParamKey] = {}
     for param, fqns in params.fqns.items():
@@ -173,6 +174,17 @@ def _rekey_to_optimizer(
             for g in osd["param_groups"]
         ]
     return out
+
+
+def _check_holds_no_more_than_the_model(key_of: dict[Any, ParamKey], params: ModelParams) -> None:
+    """Torch's check (see [Note: Parameters the optimizer holds and the model does
+    not list] in fsdp._state_dict.optim_keys): the optimizer's parameters, counted,
+    are at most the model's."""
+    if len(key_of) > len(params.fqns):
+        raise AssertionError(
+            "Expected len(param_to_param_key) <= len(param_to_fqns), "
+            f"got {len(key_of)} > {len(params.fqns)}"
+        )
 
 
 @torch.no_grad()

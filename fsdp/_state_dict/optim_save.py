@@ -128,6 +128,8 @@ class _Saver:
             state[key] = value
 
     def param_groups(self) -> list[dict[str, Any]]:
+        # KeyError for a parameter the model does not list, after every collective, as
+        # torch's (see [Note: Parameters the optimizer holds and the model does not list])
         groups = []
         for group in self.osd["param_groups"]:
             new = copy.deepcopy(group)
