@@ -33,7 +33,11 @@ custom factor ``f`` is ``PREMUL_SUM(1/f)`` for the reduce-scatter and a sum for
 the all-reduce), for other dtypes the sum is divided in two steps before and
 after (fsdp._comm.gradient_divide_factors), so fp16 neither overflows nor
 underflows. Where the backend has no ``PREMUL_SUM`` (gloo, on the CPU) a
-custom factor divides the sum after the reduction instead.
+custom factor divides the sum after the reduction instead. The ``PREMUL_SUM``
+op is built by ``torch.distributed._make_nccl_premul_sum``, as torch 2.11's
+FSDP2 builds it: ``ReduceOp.PREMUL_SUM`` is the op's type, which only torch
+2.13 makes callable (on 2.11 calling it raised a ``TypeError`` on NCCL ranks,
+docs/runs/gpu-runs.md run 82).
 """
 
 from __future__ import annotations
@@ -232,17 +236,21 @@ class Division(NamedTuple):
         data_parallel: int,
         shard_size: int,
         factor: float | None,
-        sum_only: bool,
+        force_sum: bool,
+        device_type: str,
     ) -> Division:
+        """``force_sum``: ``set_force_sum_reduction_for_comms``; ``device_type``: where
+        the gradients are reduced (gloo, the CPU's backend, has no ``PREMUL_SUM``)."""
         summed = dist.ReduceOp.SUM
         exact = reduce_dtype in (torch.float32, torch.bfloat16)
+        sum_only = force_sum or (factor is not None and device_type == "cpu")
         if exact and not sum_only:
             if factor is None:
                 op = dist.ReduceOp.SUM if data_parallel == 1 else dist.ReduceOp.AVG
                 return cls(None, None, op, op)
             if factor == shard_size:
                 return cls(None, None, dist.ReduceOp.AVG, summed)
-            return cls(None, None, dist.ReduceOp.PREMUL_SUM(1 / factor), summed)
+            return cls(None, None, dist._make_nccl_premul_sum(1 / factor), summed)
         total = float(data_parallel) if factor is None else factor
         if exact:
             return cls(None, total, summed, summed)
@@ -286,7 +294,7 @@ class ReduceSpec(NamedTuple):
     orig_dtype: torch.dtype | None  # the sharded gradients' dtype
     divide_factor: float | None  # set_gradient_divide_factor
     all_reduce: bool  # HSDP: all-reduce across replicas now (else keep the partial sum)
-    sum_only: bool  # set_force_sum_reduction_for_comms, or a backend without PREMUL_SUM
+    force_sum: bool  # set_force_sum_reduction_for_comms
     hook: Callable[[Tensor], None] | None  # set_all_reduce_hook: on the reduced output
     hook_stream: torch.cuda.Stream | None  # the stream the hook runs on (else the reduce stream)
     comms: Comms
@@ -309,7 +317,12 @@ def reduce_grads(
     groups, world = spec.groups, spec.groups.shard_size
     reduce_dtype = spec.reduce_dtype or grads[0].dtype
     division = Division.of(
-        reduce_dtype, world * groups.replicate_size, world, spec.divide_factor, spec.sum_only
+        reduce_dtype,
+        world * groups.replicate_size,
+        world,
+        spec.divide_factor,
+        spec.force_sum,
+        params[0].device.type,
     )
     send, padded = _chunked_copy(params, grads, reduce_dtype, spec)
     with streams.on_reduce(send):

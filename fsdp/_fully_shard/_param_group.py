@@ -432,16 +432,13 @@ class ParamGroup:
         groups = ReduceGroups(
             info.shard_group, info.shard_size, info.replicate_group, info.replicate_size
         )
-        sum_only = self.force_sum_reduction_for_comms or (
-            self.gradient_divide_factor is not None and self.device.type == "cpu"
-        )
         spec = ReduceSpec(
             groups,
             self._reduce_dtype,
             self._orig_dtype,
             self.gradient_divide_factor,
             self.all_reduce_grads,
-            sum_only,
+            self.force_sum_reduction_for_comms,
             self.all_reduce_hook,
             self.all_reduce_hook_stream,
             self.comms,

@@ -31,6 +31,24 @@ compared with the compute dtype's tolerance (``LOW_PRECISION_TOL``).
 
 Models are tiny (widths of 4 to 16) and runs are short (2 or 3 steps): the
 suites run in CI on two CPU cores, and a configuration is a subtest of one test.
+
+[Note: CPU tensors on CUDA ranks]
+A CUDA rank's default group is NCCL alone, as under upstream's ``FSDPTest``
+(``DISTRIBUTED_BACKEND = "nccl"``), so a collective on CPU tensors there fails
+("No backend type associated with device type cpu"), while on CPU ranks every
+tensor is on the CPU and gloo takes them all. Offloading (``CPUOffloadPolicy``)
+puts sharded parameters, gradients and state-dict values on the CPU of a CUDA
+rank. So a comparison gathers such a DTensor on the rank's device
+(``full_tensor``), and a test whose subject is a collective on offloaded values
+(``clip_grad_norm_`` of offloaded gradients) shards over ``cpu_capable_mesh``,
+whose group has a gloo backend for CPU tensors beside NCCL: what upstream's
+tests that need one ask for (its checkpoint tests' ``backend`` property,
+``"cpu:gloo,cuda:nccl"``) and what a user of offloading on GPUs must do. The
+harness keeps its default group as upstream's: a device-qualified backend there
+would make ``dist.get_backend()`` answer ``"cpu:gloo,cuda:nccl"`` instead of
+``"nccl"`` for every test (code under test compares it with ``"nccl"``:
+fsdp/_init.py, fsdp/sharded_grad_scaler.py) and give every group a test creates
+a gloo backend too (docs/runs/gpu-runs.md, runs 82 and 84).
 """
 
 from __future__ import annotations
@@ -69,6 +87,15 @@ class FSDP2Test(FSDPTest):
     def mesh(self) -> DeviceMesh:
         """A 1-D mesh over every rank."""
         return init_device_mesh(self.device_type, (self.world_size,))
+
+    def cpu_capable_mesh(self) -> DeviceMesh:
+        """A 1-D mesh over every rank whose group also runs collectives on CPU
+        tensors (see [Note: CPU tensors on CUDA ranks])."""
+        if self.device_type == "cpu":
+            return self.mesh()
+        backend = dist.get_default_backend_for_device(self.device_type)
+        group = dist.new_group(backend=f"cpu:gloo,{self.device_type}:{backend}")
+        return DeviceMesh.from_group(group, self.device_type)
 
     def hsdp_mesh(self, replicas: int) -> DeviceMesh:
         """A 2-D mesh of ``replicas`` replicas, each sharded over the rest of the ranks."""
@@ -115,8 +142,11 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) 
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (a collective), or the tensor itself."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """The whole tensor of a DTensor (a collective, on the rank's device: see [Note:
+    CPU tensors on CUDA ranks]), or the tensor itself."""
+    if not isinstance(value, DTensor):
+        return value
+    return value.to(current_device()).full_tensor()
 
 
 class Lockstep:
@@ -304,10 +334,10 @@ def assert_sharded_close(
     ):
         case.assertIsInstance(ours, DTensor, name)
         case.assertEqual(ours.dtype, ref.dtype, msg=f"{name}: sharded parameters keep their dtype")
-        case.assertEqual(ours.full_tensor(), ref.detach(), msg=name, **tol)
+        case.assertEqual(full_tensor(ours), ref.detach(), msg=name, **tol)
         if ref.grad is not None:
             case.assertEqual(ours.grad.dtype, ref.dtype, msg=f"{name}.grad dtype")
-            case.assertEqual(ours.grad.full_tensor(), ref.grad, msg=f"{name}.grad", **tol)
+            case.assertEqual(full_tensor(ours.grad), ref.grad, msg=f"{name}.grad", **tol)
 
 
 def groups_with_parameters(model: nn.Module) -> int:

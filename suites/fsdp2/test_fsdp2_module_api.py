@@ -99,7 +99,10 @@ class TestFullyShardUnshardReshard(FSDP2Test):
                 shard_each(mlp, [], reshard_after_forward=not root_reshards)
             shard_each(model, [], reshard_after_forward=root_reshards)
 
-        run = lockstep(self, lambda: nn.Sequential(*mlp_stack(4, depth=2), nn.Linear(4, 4)), shard)
+        def build() -> nn.Sequential:  # the last linear on the rank's device, as the MLPs
+            return nn.Sequential(*mlp_stack(4, depth=2), nn.Linear(4, 4, device=self.device))
+
+        run = lockstep(self, build, shard)
         for step in range(STEPS):
             with CollectiveLog(("all_gather",)) as log:
                 out = run.model(batch(self.rank, step, 2, 4))

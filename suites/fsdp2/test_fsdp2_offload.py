@@ -151,11 +151,16 @@ class TestFullyShardCPUOffloadMore(FSDP2Test):
 
     def test_offload_with_clip_grad_norm(self) -> None:
         """``clip_grad_norm_`` over offloaded (CPU) DTensor gradients gives the
-        reference's norm."""
+        reference's norm (its all-reduce of a CPU partial norm needs a group with a
+        CPU backend: see [Note: CPU tensors on CUDA ranks])."""
         run = lockstep(
             self,
             lambda: mlp_stack(6, depth=2),
-            functools.partial(shard_each, offload_policy=CPUOffloadPolicy(pin_memory=False)),
+            functools.partial(
+                shard_each,
+                mesh=self.cpu_capable_mesh(),
+                offload_policy=CPUOffloadPolicy(pin_memory=False),
+            ),
         )
         run.backward(batch(self.rank, 0, 2, 6))
         ref_norm = torch.nn.utils.clip_grad_norm_(run.reference.parameters(), 0.5)

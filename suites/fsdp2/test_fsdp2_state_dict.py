@@ -164,6 +164,7 @@ class TestFullyShardDistributedStateDict(FSDP2Test):
             self.assertEqual(state_dict, {})
             return
         self.assertEqual(sorted(state_dict), sorted(expected))
+        # gathered on the rank's device, offloaded values too
         values = {key: full_tensor(value) for key, value in state_dict.items()}
         for key, value in state_dict.items():
             self.assertEqual(isinstance(value, DTensor), not full_state_dict, key)

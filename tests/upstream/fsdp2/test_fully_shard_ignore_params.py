@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from fsdptest.api import fully_shard  # torch.distributed.fsdp
 from upstream.common_distributed import skip_if_lt_x_gpu  # ..._internal.common_distributed
@@ -78,9 +79,13 @@ class TestFullyShardIgnoreParams(FSDPTest):
             for param in ref_model.parameters():
                 dist.all_reduce(param.grad)
                 param.grad.div_(self.world_size)
-            for _optim in (optim, ref_optim):
-                _optim.step()
-                _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            # As upstream's test, the steps run under implicit_replication: a foreach
+            # step (the default on CUDA) over sharded (DTensor) and ignored (plain)
+            # parameters fails otherwise (pytorch/pytorch#183207)
+            with implicit_replication():
+                for _optim in (optim, ref_optim):
+                    _optim.step()
+                    _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
             for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
                 full = param.full_tensor() if isinstance(param, DTensor) else param
                 self.assertEqual(full, ref_param, msg=name)

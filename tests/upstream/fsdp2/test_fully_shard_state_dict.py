@@ -6,6 +6,7 @@
 
 import copy
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,11 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
     def test_dp_state_dict_cpu_offload(self):
         self.run_subtests(
             {
-                "offload_policy": [CPUOffloadPolicy(pin_memory=False)],
+                # Pinning needs an accelerator: CPU ranks offload without
+                "offload_policy": [
+                    CPUOffloadPolicy(pin_memory=pin_memory)
+                    for pin_memory in ((True, False) if torch.cuda.is_available() else (False,))
+                ],
                 "cpu_state_dict": [True, False],
             },
             self._test_dp_state_dict_cpu_offload,
@@ -123,22 +128,33 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
         for module in model:
             fully_shard(module, offload_policy=offload_policy)
         fully_shard(model, offload_policy=offload_policy)
-        # Loading a full state dict with assign=True into the meta-device model
-        state_dict = {}
-        for name, dtensor in model.state_dict().items():
+        # split full sd into multiple pieces to test loading with `strict=False`
+        state_dicts = []
+        for name, dtensor in model.named_parameters():
             full_tensor = torch.randn(dtensor.size())
-            dist.broadcast(full_tensor, src=0)
             sharded_tensor = distribute_tensor(full_tensor, dtensor.device_mesh, dtensor.placements)
             if cpu_state_dict:
                 sharded_tensor = sharded_tensor.cpu()
-            state_dict[name] = sharded_tensor
-        model.load_state_dict(state_dict, assign=True)
-        for name, dtensor in model.named_parameters():
-            self.assertEqual(dtensor.device.type, "cpu", name)
-        inp = torch.randn((mlp_dim, mlp_dim), device="cpu")
-        model(inp).sum().backward()
-        for name, value in model.state_dict().items():
-            self.assertEqual(value.device.type, "cpu", name)
+            state_dicts.append({name: sharded_tensor})
+        # check that we can load with some parameters still on meta device
+        for sd in state_dicts:
+            model.load_state_dict(sd, assign=True, strict=False)
+        # lazy init without error; a state dict on the GPU is refused (on CPU ranks
+        # the mesh, and so every state dict, is on the CPU)
+        inp = torch.rand((mlp_dim, mlp_dim), device="cuda")
+        context = (
+            self.assertRaisesRegex(
+                RuntimeError,
+                r"Found following parameters on non-CPU device: \[\('0.weight', device\(type='cuda'",
+            )
+            if not cpu_state_dict and torch.cuda.is_available()
+            else nullcontext()
+        )
+        with context:
+            model(inp).sum()
+            state_dict = model.state_dict()
+            for name, dtensor in state_dict.items():
+                self.assertEqual(dtensor.device.type, "cpu", name)
 
     @skip_if_lt_x_gpu(2)
     def test_cached_state_dict(self):
