@@ -6,12 +6,24 @@ Two orders are recorded, as torch's FSDP records them:
 - The *pre-forward* order of the first iteration (an iteration ends with the
   root's end of backward), fixed afterwards. Forward prefetch unshards the unit
   after the current one in it.
-- The *post-forward* order, recorded again in every iteration with autograd
-  enabled (a unit used twice is placed by its first use). Backward runs in
-  roughly the reverse order, so backward prefetch unshards the unit before the
-  current one in it. The root's forward ends last: its pre-backward prefetches
-  the last unit whose forward ended before it, and the first unit's forward
-  has nothing before it.
+- The *post-forward* order, recorded again in every iteration (see the next
+  note). Backward runs in roughly the reverse order, so backward prefetch
+  unshards the unit before the current one in it. The root's forward ends last:
+  its pre-backward prefetches the last unit whose forward ended before it, and
+  the first unit's forward has nothing before it.
+
+[Note: The post-forward order's positions]
+Torch records every forward's end in the post-forward order, with autograd on
+or off (a frozen trunk run under ``no_grad`` takes its place in it, and an eval
+forward before a training one of the same iteration does too), and the order is
+cleared only at the end of backward. Each use appends the unit; its position,
+from which backward prefetch looks one back, is that of its first use, except
+that a unit placed at position 0 is placed again at its next use (torch tests
+the position for truth). A candidate placed by a forward without autograd has no
+backward to await, so it is not prefetched (``awaits_backward``, torch's
+``_needs_pre_backward_unshard``), and the unit before it is not prefetched
+either: recording only the forwards with autograd would skip over the frozen
+unit and all-gather the one before it, which torch does not.
 
 A candidate is prefetched only if it still needs its unshard in this pass
 (forward: its forward has not run since the root's pre-forward; backward: its
@@ -138,9 +150,13 @@ class ExecutionOrder:
             self.pre_forward.append(handle)
 
     def record_post_forward(self, handle: FlatParamHandle) -> None:
-        if torch.is_grad_enabled():
-            self._post_forward_index.setdefault(handle, len(self.post_forward))
+        """After ``handle``'s forward, with autograd on or off (see [Note: The
+        post-forward order's positions])."""
+        if self._post_forward_index.get(handle):
             self.post_forward.append(handle)
+            return
+        self._post_forward_index[handle] = len(self.post_forward)
+        self.post_forward.append(handle)
 
     def next_iteration(self) -> None:
         """At the end of backward."""
