@@ -5,7 +5,8 @@ Usage (from the checkout root, with the project's virtualenv active)::
     python bench/fsdp2_planted_bugs.py list
     python bench/fsdp2_planted_bugs.py run                      # every bug, then the baseline
     python bench/fsdp2_planted_bugs.py run --bugs no_gradient_division,reduce_dtype_ignored
-    python bench/fsdp2_planted_bugs.py run --json docs/fsdp2-planted-bugs.json
+    python bench/fsdp2_planted_bugs.py run --json docs/runs/fsdp2-planted-bugs.json
+    python bench/fsdp2_planted_bugs.py run --search 12 --json docs/runs/fsdp2-planted-bugs-search.json
 
 [Note: Planting a bug in every process of a session]
 The suites' ranks are processes spawned by the harness, which import torch on their
@@ -26,6 +27,15 @@ reported as such, not as a kill. The baseline, the same targets with no bug plan
 ``--fsdp-impl torch``, or the kills mean nothing (``run`` runs it last and says so).
 Each bug names the BUGS.md class it belongs to and the suite files expected to kill
 it; ``-x`` stops a session at its first failure, whose test id is recorded.
+
+[Note: The searches against planted bugs]
+``run --search N`` plants each bug the same way and runs only the FSDP2 searches
+(``suites/fsdp2/test_fsdp2_search.py``, N derandomized programs per world size and
+mode): the parity mode holds the planted torch to the replicated reference, and
+the conformance mode holds it to this project's ``fully_shard`` (``--fsdp-reference
+local``), which no bug touches: an FSDP2 implementation gates another. A bug that
+only changes collectives or state-dict types (which no number shows) is killed by
+the conformance mode alone. The baseline is the same session with no bug.
 
 The patches reach into torch 2.13's private modules
 (``torch.distributed.fsdp._fully_shard``); on another torch a bug whose target is
@@ -356,8 +366,23 @@ class Outcome:
     seconds: float
 
 
+SEARCH = "test_fsdp2_search.py"
+
+
+def _search_arguments(programs: int) -> tuple[str, ...]:
+    """The FSDP2 searches alone, ``programs`` derandomized programs per world size
+    and mode, this project's ``fully_shard`` as the conformance reference (see
+    [Note: The searches against planted bugs])."""
+    return ("-k", "programs", "--fsdp-reference", "local", "--conformance-scenarios", str(programs))
+
+
 def _session(
-    env: dict[str, str], bug: str, targets: tuple[str, ...], workers: int, world_size: int
+    env: dict[str, str],
+    bug: str,
+    targets: tuple[str, ...],
+    workers: int,
+    world_size: int | None,
+    extra: tuple[str, ...] = (),
 ) -> tuple[int, str, float]:
     command = [
         sys.executable,
@@ -369,10 +394,10 @@ def _session(
         "no:cacheprovider",
         "--fsdp-impl",
         "torch",
-        "--world-size",
-        str(world_size),
+        *(("--world-size", str(world_size)) if world_size else ()),
         "-n",
         str(workers),
+        *extra,
         *(f"{SUITES}/{target}" for target in targets),
     ]
     started = time.monotonic()
@@ -397,19 +422,22 @@ def _planted(env: dict[str, str], name: str) -> bool:
     return result.stdout.strip() == name
 
 
-def run(names: list[str], workers: int, world_size: int) -> list[Outcome]:
+def run(names: list[str], workers: int, world_size: int, search: int = 0) -> list[Outcome]:
     outcomes = []
+    extra = _search_arguments(search) if search else ()
+    size = None if search else world_size  # the searches draw world sizes 2, 3 and 4
     with _planting_environment() as env:
         for name in names:
             bug = BUGS[name][0]
             if not _planted(env, name):
                 raise SystemExit(f"{name} could not be planted (see its sitecustomize error)")
-            status, failure, seconds = _session(env, name, bug.targets, workers, world_size)
+            targets = (SEARCH,) if search else bug.targets
+            status, failure, seconds = _session(env, name, targets, workers, size, extra)
             outcome = Outcome(
                 name,
                 bug.what,
                 bug.bugs_class,
-                bug.targets,
+                targets,
                 status,
                 status in (1, 2) and bool(failure),
                 failure,
@@ -417,8 +445,12 @@ def run(names: list[str], workers: int, world_size: int) -> list[Outcome]:
             )
             print(_line(outcome), flush=True)
             outcomes.append(outcome)
-        targets = tuple(sorted({t for name in names for t in BUGS[name][0].targets}))
-        status, failure, seconds = _session(env, "", targets, workers, world_size)
+        targets = (
+            (SEARCH,)
+            if search
+            else tuple(sorted({t for name in names for t in BUGS[name][0].targets}))
+        )
+        status, failure, seconds = _session(env, "", targets, workers, size, extra)
         print(
             f"baseline (no bug) over {', '.join(targets)}: exit {status} in {seconds:.0f} s"
             + (f", first failure {failure}" if failure else ""),
@@ -453,6 +485,14 @@ def main() -> None:
     runner.add_argument("--workers", type=int, default=2, help="pytest -n (default 2)")
     runner.add_argument("--world-size", type=int, default=2)
     runner.add_argument("--json", type=Path, default=None, help="write the outcomes here")
+    runner.add_argument(
+        "--search",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run only the FSDP2 searches, N programs per world size and mode, with this "
+        "project's fully_shard as the conformance reference",
+    )
     args = parser.parse_args()
     if args.command == "list":
         for bug, _ in BUGS.values():
@@ -462,7 +502,7 @@ def main() -> None:
     unknown = sorted(set(names) - set(BUGS))
     if unknown:
         parser.error(f"unknown bugs {unknown}; known: {', '.join(BUGS)}")
-    outcomes = run(names, args.workers, args.world_size)
+    outcomes = run(names, args.workers, args.world_size, args.search)
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
     survivors = [o.bug for o in outcomes[:-1] if not o.killed]
