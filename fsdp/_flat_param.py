@@ -250,11 +250,12 @@ class FlatParamHandle:
         """The sharded gradient (torch's name), None when there is none."""
         return self.grads.sharded()
 
-    def reduce_dtype(self) -> torch.dtype:
+    def reduce_dtype(self, grad: Tensor | None = None) -> torch.dtype:
         """Gradients are reduced in ``reduce_dtype``, else ``param_dtype``, else
-        the parameter's own dtype; in forced full precision always the latter."""
+        the parameter's own dtype; in forced full precision in the dtype autograd
+        gave ``grad`` (see [Note: Full precision decided at the reduce])."""
         if self.storage.force_full_precision:
-            return self.storage.orig_dtype
+            return self.storage.orig_dtype if grad is None else grad.dtype
         return self._reduce_dtype
 
     def _reduced_grad_dtype(self, reduced: Tensor, hook: CommHookSpec | None) -> torch.dtype:
@@ -265,6 +266,9 @@ class FlatParamHandle:
         casts_itself = hook is not None and hook.casts_itself
         if casts_itself and not (self._keep_low_precision_grads and self.uses_sharded_strategy):
             return reduced.dtype
+        forced = self.storage.force_full_precision
+        if forced and self._keep_low_precision_grads and not self.uses_sharded_strategy:
+            return reduced.dtype  # NO_SHARD keeps the all-reduce's dtype, uncast
         return self.grad_dtype()
 
     def grad_dtype(self) -> torch.dtype:
@@ -273,7 +277,7 @@ class FlatParamHandle:
         keep ``param_dtype`` and ``NO_SHARD`` the reduce dtype (torch's: its
         all-reduce runs in place on the gradient cast to the reduce dtype, which
         is then not cast back)."""
-        if not self._keep_low_precision_grads:
+        if not self._keep_low_precision_grads or self.storage.force_full_precision:
             return self.storage.orig_dtype
         if not self.uses_sharded_strategy:
             return self.reduce_dtype()
@@ -617,11 +621,27 @@ class FlatParamHandle:
         else:
             self.views.show_sharded_grads(self.flat_param.grad)
 
-    def reduce_grad(self, sync: bool, hook: CommHookSpec | None) -> None:
+    def reduce_grad(
+        self, sync: bool, hook: CommHookSpec | None, full_precision: bool = False
+    ) -> None:
         """Takes the gradient autograd accumulated, reduces it on the reduce
         stream (fsdp._reduce) and keeps the shard for the end of backward; then
         steps optimizers in backward, if any. Without ``sync`` (no_sync) the
-        original parameters see the unsharded gradient accumulated so far."""
+        original parameters see the unsharded gradient accumulated so far.
+
+        [Note: Full precision decided at the reduce]
+        Torch decides whether a unit is in forced full precision
+        (``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the module in eval mode) each time
+        it asks, so its post-backward asks with the module's mode at the
+        backward, not at the forward: a forward in training mode and a backward
+        in eval mode reduce in full precision. Forced, the gradient keeps the
+        dtype autograd gave it (no cast to ``reduce_dtype``), the sharded one is
+        cast to the parameter's dtype and not back to ``param_dtype`` under
+        ``keep_low_precision_grads``, and ``NO_SHARD`` keeps the all-reduce's
+        dtype. ``full_precision`` is that decision, made by the caller with the
+        module's mode now."""
+        if self.storage.uses_param_mixed_precision or self._mp_reduce_dtype is not None:
+            self.storage.force_full_precision = full_precision
         grads = self.grads
         if not sync:
             if self._use_orig_params:
@@ -639,7 +659,7 @@ class FlatParamHandle:
             self._reduce(grad, hook)
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
-        reduced = reduce_gradient(grad, self.reduce_dtype(), self._reduce_plan, hook)
+        reduced = reduce_gradient(grad, self.reduce_dtype(grad), self._reduce_plan, hook)
         self.grads.set_reduced(
             reduced, self._reduced_grad_dtype(reduced, hook), self.storage.orig_dtype
         )

@@ -448,7 +448,7 @@ class FSDPState:
         with profiler_label("FSDP::post_backward"):
             if handle.post_backward():
                 self._post_backward_reshard(handle)
-                handle.reduce_grad(self.sync_gradients, self.comm_hook)
+                handle.reduce_grad(self.sync_gradients, self.comm_hook, self.full_precision_now())
 
     def _frees_in_backward(self) -> bool:
         """Backward frees the unsharded parameter, except under ``no_sync`` for

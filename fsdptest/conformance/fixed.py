@@ -117,6 +117,20 @@ def _programs() -> list[Fixed]:
                 forward_prefetch=True,
             ),
         ),
+        Fixed(
+            # full precision decided at the reduce: a backward in eval mode after a
+            # forward in training mode ([Note: Full precision decided at the reduce])
+            "env FSDP_USE_FULL_PREC_IN_EVAL",
+            _scenario(
+                _two_blocks(_A.ON),
+                (sc.Forward(), sc.Train(mode=False), sc.Backward(), sc.OptimStep()),
+                sharding=Sharding.NO_SHARD,
+                mixed_precision=Precision(
+                    reduce_dtype=DType.FLOAT16, keep_low_precision_grads=True
+                ),
+                full_prec_in_eval=True,
+            ),
+        ),
         Fixed("model: several forwards before one backward", _scenario(_two_blocks(_A.ON), again)),
         Fixed(
             "model: parameters replaced by the user (a new nn.Parameter)",
