@@ -15,7 +15,10 @@ moved only by the group's own methods:
                                                          (reshard_after_forward=int)
 
 A reshard while an all-gather is pending discards it (GATHERING -> SHARDED);
-a reshard of a group that is sharded already is a move to the same state.
+a reshard of a group that is sharded already is a move to the same state. The
+end of the last backward drops a prefetch nobody waited for and leaves the
+parameters where the all-gather found them (GATHERING -> SHARDED or
+SHARDED_POST_FORWARD), as torch's ``finalize_backward`` does.
 
 ``Phase``, the iteration as this group sees it:
 
@@ -69,7 +72,7 @@ class Phase(enum.Enum):
 _R = Residence
 RESIDENCE_TRANSITIONS: dict[Residence, frozenset[Residence]] = {
     _R.SHARDED: frozenset({_R.SHARDED, _R.GATHERING}),
-    _R.GATHERING: frozenset({_R.UNSHARDED, _R.SHARDED}),
+    _R.GATHERING: frozenset({_R.UNSHARDED, _R.SHARDED, _R.SHARDED_POST_FORWARD}),
     _R.UNSHARDED: frozenset({_R.SHARDED, _R.SHARDED_POST_FORWARD}),
     _R.SHARDED_POST_FORWARD: frozenset({_R.GATHERING, _R.SHARDED}),
 }

@@ -109,6 +109,7 @@ class ParamGroup:
     reduce_scatter_max_input_buffers: int
     # the lifecycle and what the iteration keeps
     _residence: Lifecycle[Residence]
+    _gathered_from: Residence
     _phase: Lifecycle[Phase]
     _pending: GatherResult | None
     _post_forward_written: torch.cuda.Event | None  # CUDA: after the post-forward shards
@@ -146,6 +147,7 @@ class ParamGroup:
         self.reduce_scatter_group = None
         self.reduce_scatter_max_input_buffers = 1
         self._residence = Lifecycle(Residence.SHARDED, RESIDENCE_TRANSITIONS, "ParamGroup")
+        self._gathered_from = Residence.SHARDED  # where the pending all-gather found them
         self._phase = Lifecycle(Phase.IDLE, PHASE_TRANSITIONS, "ParamGroup")
         self._pending = None
         self._post_forward_written = None
@@ -264,12 +266,18 @@ class ParamGroup:
             return
         info = self.mesh_info
         if residence is Residence.SHARDED_POST_FORWARD:
-            assert self.post_forward_info is not None
+            if self.post_forward_info is None:
+                # set_reshard_after_forward(False) while resharded to the post-forward
+                # mesh: torch's check and message (its _get_unsharded_mesh_info)
+                raise AssertionError(
+                    f"Expected mesh_info to be FSDPMeshInfo, got {type(self.post_forward_info)}"
+                )
             info = self.post_forward_info
             self.comm.streams.unshard_waits(self._post_forward_written)
             self._post_forward_written = None
         with profiler_label(self._label("FSDP::all_gather")):
             self._pending = all_gather(self.params, info.shard_group, self.comm.streams, self.comms)
+        self._gathered_from = residence
         self._residence.move(Residence.GATHERING)
 
     def wait_for_unshard(self) -> None:
@@ -454,10 +462,13 @@ class ParamGroup:
         self._phase.move(Phase.IDLE)
 
     def finalize_backward(self) -> None:
-        """After the last backward: a prefetch nobody used is dropped, the
+        """After the last backward: a prefetch nobody used is dropped (the
+        parameters stay where it found them, on the post-forward mesh too), the
         backward prefetch order forgotten."""
         if self._pending is not None:
-            self.reshard()
+            self.comm.streams.compute_waits(self._pending.event)
+            self._pending = None
+            self._residence.move(self._gathered_from)
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:

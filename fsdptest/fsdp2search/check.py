@@ -50,14 +50,50 @@ then all-reduce, or terms that cancel, is off by ulps of its terms, not of the s
 SHOWN = 8
 
 
+TORCH_DEFECTS: dict[str, str] = {
+    # name: the start of the error torch's fully_shard raises where it should not
+    "SPLIT_SIZES_AFTER_POST_FORWARD_UNSHARD": (
+        "RuntimeError: split_with_sizes expects split_sizes to sum exactly"
+    ),
+}
+"""[Note: Where torch's FSDP2 fails and the implementation under test does not]
+A program on which the reference raises one of these errors, at a call that the
+implementation under test runs without error, is not a difference: the runs are
+compared up to that call. Each entry is a defect of torch's ``fully_shard``,
+asserted by ``suites/fsdp2/test_fsdp2_search.py::test_torch_defects_still_fail``
+on the shortest program that showed it (when torch stops failing there, that
+test fails and the entry goes). ``SPLIT_SIZES_AFTER_POST_FORWARD_UNSHARD``: at
+world size 4, groups that reshard to 2-way meshes after forward, CPU offload and
+a ``reduce_dtype`` of bf16: a no-sync backward, then ``unshard(async_op=True)`` of
+the root and a forward, fail in torch's all-gather copy-out."""
+
+
 def conform(program: Program, impl: str, reference: str, device: torch.device) -> None:
     """Raises ``AssertionError`` naming where ``impl`` 's run differs from ``reference`` 's."""
     mesh = mesh_of(program, device.type)
     ours = ProgramRun(program, Fsdp2Runtime(impl), mesh, device).run()
     theirs = ProgramRun(program, Fsdp2Runtime(reference), mesh, device).run()
+    defect = torch_defect(theirs, ours)
+    if defect is not None:
+        stop = next(o.op for o in theirs if o.key == "error")
+        print(f"fsdp2 allowed: {defect} at {describe_op(program, stop)}")
+        theirs, ours = _before(theirs, stop), _before(ours, stop)
     differences = in_order(program, theirs, ours)
     if differences:
         raise AssertionError(report(f"{impl} differs from {reference}", differences))
+
+
+def torch_defect(theirs: list[Observation], ours: list[Observation]) -> str | None:
+    """The ``TORCH_DEFECTS`` entry the reference's error is, where this run did not
+    fail at that call (see the note)."""
+    error = next((o for o in theirs if o.key == "error"), None)
+    if error is None or any(o.key == "error" and o.op <= error.op for o in ours):
+        return None
+    return next((n for n, text in TORCH_DEFECTS.items() if str(error.value).startswith(text)), None)
+
+
+def _before(run: list[Observation], op: int) -> list[Observation]:
+    return [o for o in run if o.op < op]
 
 
 def match_replica(program: Program, impl: str, device: torch.device) -> None:
@@ -90,6 +126,8 @@ def in_order(program: Program, expected: list[Observation], actual: list[Observa
             found.append(
                 f"{where}: the reference observed {want.key!r} next, this run "
                 f"{got.key!r} at {describe_op(program, got.op)} ({_short(got.value)})"
+                + _ends(expected, "the reference")
+                + _ends(actual, "this run")
             )
             return found
         difference = differ(want.value, got.value, None)
@@ -104,6 +142,12 @@ def in_order(program: Program, expected: list[Observation], actual: list[Observa
             f"{what} went on: {describe_op(program, extra.op)}, {extra.key} = {_short(extra.value)}"
         )
     return found
+
+
+def _ends(run: list[Observation], who: str) -> str:
+    """How ``run`` ended, when an error ended it."""
+    errors = [o for o in run if o.key == "error"]
+    return f"; {who} ended with {errors[0].value}" if errors else ""
 
 
 def by_key(

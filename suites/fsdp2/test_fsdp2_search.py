@@ -21,6 +21,7 @@ import pytest
 from fsdptest.fsdp2search.drawing import MODES
 from fsdptest.fsdp2search.program import Program
 from fsdptest.fsdp2search.search import Fsdp2Search
+from harness.rank_calls import RankCalls
 from suites.fsdp2.helpers import FSDP2Test
 
 WORLD_SIZES = (2, 3, 4)
@@ -54,3 +55,40 @@ def test_fully_shard_programs(fsdp2_search: Fsdp2Search, world_size: int, mode: 
 def test_replay_program(fsdp2_search: Fsdp2Search, replayed_program: Program, mode: str) -> None:
     """The program of ``--replay-example``, checked as ``mode`` does."""
     fsdp2_search.check(Fsdp2SearchRanks, replayed_program, mode)
+
+
+TORCH_DEFECT_PROGRAMS = {
+    # the shortest program of each fsdptest.fsdp2search.check.TORCH_DEFECTS entry
+    "SPLIT_SIZES_AFTER_POST_FORWARD_UNSHARD": "fsdp2:eNo1j0GOwyAMRe_itVslTNVFroKiyC1GRSKADGmqjubuY1J1gcU3z_-bX9izRLfU8GaYLgiJG0xaa2MHCPVB4vQ2WRjOgzb6Gc-famBGED6YhXxjWXyWXZXyBg2OeEFPsbJya3ixW4rwPdSQk4b48mNONz9e1Sx7HzPpXJONu2mJ4U4VphHBS35z-j7l0sKq24o6kKO1DxcFrYUmFBKgPSI_wZi2GNHMM1rY0rGpAt3paPGToupZBVTu_xz-_gHLSlit",
+}
+
+
+class TorchDefectRanks(FSDP2Test):
+    """Runs a program under torch's ``fully_shard`` alone (not collected)."""
+
+    def torch_fails(self, program: Program, expected: str) -> None:
+        from fsdptest.fsdp2search.run import Fsdp2Runtime, ProgramRun, mesh_of
+
+        mesh = mesh_of(program, self.device_type)
+        seen = ProgramRun(program, Fsdp2Runtime("torch"), mesh, self.device).run()
+        errors = [str(o.value) for o in seen if o.key == "error"]
+        self.assertTrue(errors and errors[0].startswith(expected), f"torch ended with {errors}")
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("name", sorted(TORCH_DEFECT_PROGRAMS))
+def test_torch_defects_still_fail(rank_calls: RankCalls, name: str) -> None:
+    """Each defect of torch's FSDP2 that the conformance search allows still shows
+    on its program ([Note: Where torch's FSDP2 fails and the implementation under
+    test does not] in fsdptest.fsdp2search.check)."""
+    from fsdptest.fsdp2search.check import TORCH_DEFECTS
+
+    program = Program.from_replay_id(TORCH_DEFECT_PROGRAMS[name])
+    outcome = rank_calls.run(
+        TorchDefectRanks,
+        "torch_fails",
+        program.world_size,
+        program=program,
+        expected=TORCH_DEFECTS[name],
+    )
+    assert outcome.passed, outcome.report
