@@ -250,12 +250,13 @@ class FlatParamHandle:
         """The sharded gradient (torch's name), None when there is none."""
         return self.grads.sharded()
 
-    def reduce_dtype(self, grad: Tensor | None = None) -> torch.dtype:
+    def reduce_dtype(self) -> torch.dtype:
         """Gradients are reduced in ``reduce_dtype``, else ``param_dtype``, else
-        the parameter's own dtype; in forced full precision in the dtype autograd
-        gave ``grad`` (see [Note: Full precision decided at the reduce])."""
+        the parameter's own dtype; in forced full precision always the latter
+        (the reduce itself keeps the dtype autograd gave: [Note: Full precision
+        decided at the reduce])."""
         if self.storage.force_full_precision:
-            return self.storage.orig_dtype if grad is None else grad.dtype
+            return self.storage.orig_dtype
         return self._reduce_dtype
 
     def _reduced_grad_dtype(self, reduced: Tensor, hook: CommHookSpec | None) -> torch.dtype:
@@ -266,9 +267,11 @@ class FlatParamHandle:
         casts_itself = hook is not None and hook.casts_itself
         if casts_itself and not (self._keep_low_precision_grads and self.uses_sharded_strategy):
             return reduced.dtype
-        forced = self.storage.force_full_precision
-        if forced and self._keep_low_precision_grads and not self.uses_sharded_strategy:
-            return reduced.dtype  # NO_SHARD keeps the all-reduce's dtype, uncast
+        if self.storage.force_full_precision and self._keep_low_precision_grads:
+            # forced at the reduce: NO_SHARD keeps the all-reduce's dtype, uncast; a
+            # shard is cast to the parameter's dtype and not back to param_dtype
+            sharded = self.uses_sharded_strategy
+            return self.storage.orig_dtype if sharded else reduced.dtype
         return self.grad_dtype()
 
     def grad_dtype(self) -> torch.dtype:
@@ -277,7 +280,7 @@ class FlatParamHandle:
         keep ``param_dtype`` and ``NO_SHARD`` the reduce dtype (torch's: its
         all-reduce runs in place on the gradient cast to the reduce dtype, which
         is then not cast back)."""
-        if not self._keep_low_precision_grads or self.storage.force_full_precision:
+        if not self._keep_low_precision_grads:
             return self.storage.orig_dtype
         if not self.uses_sharded_strategy:
             return self.reduce_dtype()
@@ -659,7 +662,9 @@ class FlatParamHandle:
             self._reduce(grad, hook)
 
     def _reduce(self, grad: Tensor, hook: CommHookSpec | None) -> None:
-        reduced = reduce_gradient(grad, self.reduce_dtype(grad), self._reduce_plan, hook)
+        forced = self.storage.force_full_precision
+        dtype = grad.dtype if forced else self.reduce_dtype()
+        reduced = reduce_gradient(grad, dtype, self._reduce_plan, hook)
         self.grads.set_reduced(
             reduced, self._reduced_grad_dtype(reduced, hook), self.storage.orig_dtype
         )

@@ -70,6 +70,8 @@ LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("fsdptest.plugin", "fsdptest.properties.search"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.conformance.search"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.conformance.scenario"): _EVERY_SESSION,
+    ("fsdptest.plugin", "fsdptest.fsdp2search.search"): _EVERY_SESSION,
+    ("fsdptest.plugin", "fsdptest.fsdp2search.program"): _EVERY_SESSION,
 }
 
 

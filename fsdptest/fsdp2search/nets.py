@@ -17,10 +17,22 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models import MLP
-
 DIM = 8
 BATCH = 2
+
+
+class MLP(nn.Module):
+    """``in_proj`` (``dim`` to ``multiplier * dim``), ReLU, ``out_proj``, ReLU: the
+    shape of upstream's FSDP2 test ``MLP`` (``fsdptest`` does not import the test
+    models, which build on it)."""
+
+    def __init__(self, dim: int, dim_multiplier: int = 4) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, dim_multiplier * dim)
+        self.out_proj = nn.Linear(dim_multiplier * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.out_proj(torch.relu(self.in_proj(x))))
 
 
 class Tied(nn.Module):

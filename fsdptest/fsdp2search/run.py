@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fsdptest.fsdp2 import Fsdp2API, Fsdp2Seams
-from fsdptest.fsdp2search.nets import build
+from fsdptest.fsdp2search.nets import batch, build
 from fsdptest.fsdp2search.program import MIXED_PRECISION, NETS, Op, Program
 from fsdptest.implementations import resolve
 
@@ -224,8 +224,6 @@ class ProgramRun:
     # -- the calls ---------------------------------------------------------
 
     def _batch(self) -> torch.Tensor:
-        from fsdptest.fsdp2search.nets import batch
-
         self.batches += 1
         return batch(self.rank, self.batches, self.device)
 
