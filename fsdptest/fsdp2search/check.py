@@ -13,7 +13,8 @@ the same error (type and first line of the message).
 Parity (``match_replica``): the implementation's run must show the replicated
 reference's numbers (``fsdptest.fsdp2search.replica``): every loss, every
 local shard of a parameter and its gradient, every total norm, at the call the
-reference saw it, unless the run's parameter was registered unsharded then
+reference saw it, unless the run's parameter was registered unsharded (or
+on the post-forward mesh) then
 (its values are those of its last all-gather, which a step since does not
 change; conformance compares them). The run may not end in an error (the parity search draws only
 valid programs). Tolerances follow the program's lowest precision: fp32 sums
@@ -160,8 +161,9 @@ def by_key(
     found = []
     for want in expected:
         where = f"{describe_op(program, want.op)}, {want.key}"
-        if (want.op, f"unsharded:{want.key.partition(':')[2]}") in seen:
-            continue  # registered unsharded: no shard to compare (see the module note)
+        name = want.key.partition(":")[2]
+        if any((want.op, f"{kind}:{name}") in seen for kind in ("unsharded", "post_forward")):
+            continue  # not this rank's shard of the mesh (see the module note)
         if (want.op, want.key) not in seen:
             found.append(f"{where}: not observed (the run ended before it)")
             break

@@ -11,7 +11,9 @@ whether ``unshard`` returned a handle and what the module's parameters are after
 ``unshard``/``reshard`` (a parameter registered unsharded, after ``unshard``
 or a forward or backward that did not reshard, is observed whole, as
 ``unsharded:<name>``, without its gradient: the optimizer steps the sharded
-one); every entry of each state dict (its type, placements,
+one; a parameter left on the smaller post-forward mesh of an ``int``
+``reshard_after_forward``, which torch leaves there when its backward never
+ran, is observed as ``post_forward:<name>``); every entry of each state dict (its type, placements,
 dtype, shape and local values); the total norm of ``clip_grad_norm_``; and the
 exception that stopped the run (its type and first line). Two implementations'
 runs must be equal (``fsdptest.fsdp2search.check``); a run's numbers must also
@@ -201,6 +203,9 @@ class ProgramRun:
                 self.note(f"layout:{name}", (placements, tuple(param.shape), str(param.dtype)))
             if not isinstance(param, DTensor):  # unsharded (see the module note)
                 self.note(f"unsharded:{name}", local(param))
+                continue
+            if param.device_mesh.mesh.shape != self.mesh.mesh.shape:  # the post-forward mesh
+                self.note(f"post_forward:{name}", local(param))
                 continue
             self.note(f"param:{name}", local(param))
             if grads:
