@@ -145,12 +145,13 @@ def _ending(text: str) -> str:
 SURVEY_SHOWN = 20
 
 
-def _first_difference(report: str) -> str:
-    """The line of a failed scenario's report that names its first difference (``op N
-    (...), what``), else its first line."""
+def first_difference(report: str) -> str:
+    """The line of a failed scenario's (or FSDP2 program's) report that names its
+    first difference (``op N (...), what``, or ``fully_shard`` itself), else its
+    first line."""
     lines = [line.strip() for line in report.splitlines() if line.strip()]
     for line in lines:
-        if line.startswith("op ") or " skipped" in line:
+        if line.startswith(("op ", "fully_shard")) or " skipped" in line:
             return line[:300]
     return lines[0][:300] if lines else "(no report)"
 
@@ -231,7 +232,7 @@ class ConformanceSearch:
         if self.stats_file is not None:
             self._write_stats(scenario, outcome, stats, time.monotonic() - started)
         if not outcome.passed and self.survey:
-            first = _first_difference(outcome.report)
+            first = first_difference(outcome.report)
             self.surveyed_failures.append(f"- {first}\n  {self.replay_command(scenario)}")
         elif not outcome.passed:
             raise ScenarioFailed(self.report(scenario, outcome))

@@ -41,7 +41,7 @@ from fsdptest.fsdp2search.program import MIXED_PRECISION, NETS, Op, Program
 from fsdptest.implementations import resolve
 
 LR = 1e-2
-CLIP_SEAMS = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVE_SEAMS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 class Observation(NamedTuple):
@@ -176,7 +176,7 @@ class ProgramRun:
         """The call's collectives at the implementation's seams, noted after it."""
         calls: list[tuple[str, str, int, int]] = []
         with contextlib.ExitStack() as stack:
-            for seam in CLIP_SEAMS:
+            for seam in COLLECTIVE_SEAMS:
                 stack.enter_context(self.runtime.seams.patch(seam, self._recorder(seam, calls)))
             try:
                 yield

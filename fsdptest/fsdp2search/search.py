@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from hypothesis import given, settings
 
+from fsdptest.conformance.search import SURVEY_SHOWN, first_difference
 from fsdptest.fsdp2search.drawing import programs
 from fsdptest.fsdp2search.program import Program
 from fsdptest.properties.search import budget_of
@@ -42,18 +43,6 @@ class Budget(NamedTuple):
 
 
 BUDGETS = {"ci": Budget(programs=3, ops=6), "deep": Budget(programs=700, ops=14, profile="deep")}
-
-
-SURVEY_SHOWN = 20
-
-
-def _first_difference(report: str) -> str:
-    """The first line of a failed program's report that names a difference."""
-    lines = [line.strip() for line in report.splitlines() if line.strip()]
-    for line in lines:
-        if line.startswith("op ") or line.startswith("fully_shard"):
-            return line[:300]
-    return lines[0][:300] if lines else "(no report)"
 
 
 class ProgramFailed(AssertionError):
@@ -82,7 +71,6 @@ class Fsdp2Search:
         self.survey = survey
         self.stats_file = stats_file
         self.checked = 0
-        self.seconds = 0.0
         self.failures: list[str] = []  # a survey's failures: first difference and replay
 
     def search(self, ranks: type[DistributedTest], world_size: int, mode: str) -> None:
@@ -116,11 +104,10 @@ class Fsdp2Search:
             ranks, mode, program.world_size, timeout_s=PROGRAM_TIMEOUT_S, **kwargs
         )
         seconds = time.monotonic() - started
-        self.seconds += seconds
         if self.stats_file is not None:
             self._write_stats(program, mode, outcome, seconds)
         if not outcome.passed and self.survey:
-            first = _first_difference(outcome.report)
+            first = first_difference(outcome.report)
             self.failures.append(f"- {first}\n  {self.replay_command(program, mode)}")
         elif not outcome.passed:
             raise ProgramFailed(self.report(program, mode, outcome))
