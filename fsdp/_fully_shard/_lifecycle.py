@@ -14,11 +14,28 @@ moved only by the group's own methods:
     UNSHARDED --reshard after forward--> SHARDED_POST_FORWARD --unshard--> GATHERING
                                                          (reshard_after_forward=int)
 
-A reshard while an all-gather is pending discards it (GATHERING -> SHARDED);
-a reshard of a group that is sharded already is a move to the same state. The
-end of the last backward drops a prefetch nobody waited for and leaves the
-parameters where the all-gather found them (GATHERING -> SHARDED or
-SHARDED_POST_FORWARD), as torch's ``finalize_backward`` does.
+A reshard while an all-gather is pending keeps it (GATHERING stays; see [Note:
+A pending all-gather outlives a reshard]); a reshard of a group that is sharded
+already is a move to the same state. The end of the last backward drops a
+prefetch nobody waited for and leaves the parameters where the all-gather found
+them (GATHERING -> SHARDED or SHARDED_POST_FORWARD), as torch's
+``finalize_backward`` does.
+
+[Note: A pending all-gather outlives a reshard]
+torch's ``FSDPParamGroup.reshard`` leaves a pending all-gather alone, and the
+next ``unshard`` is a no-op while one is pending: a backward prefetch of a group
+whose backward never runs (a frozen module), after a backward that is not the
+last (``set_is_last_backward(False)``), or an ``unshard(async_op=True)``
+followed by ``reshard()``, is copied out by the next forward without a new
+all-gather. This group does the same: the same collectives as torch's. A
+state-dict load is the exception: it discards the pending all-gather (the
+load's pre-hook, ``discard_pending``), as its values are about to be replaced.
+torch's keeps it and its next forward computes with the parameters from before
+the load (a defect of torch's: ``STALE_ALL_GATHER_AFTER_LOAD`` in
+fsdptest.fsdp2search.check). Writes the group cannot see (an optimizer step
+or an in-place edit of a parameter between the reshard and the next forward)
+are the user's to avoid, as with torch's; the frozen modules whose prefetch
+survives have no optimizer updates.
 
 ``Phase``, the iteration as this group sees it:
 

@@ -243,13 +243,16 @@ class ParamGroup:
         def reshard(*args: Any, **kwargs: Any) -> None:
             self.reshard()
 
+        def discard(*args: Any, **kwargs: Any) -> None:
+            self.discard_pending()
+
         def reread(*args: Any, **kwargs: Any) -> None:
             for param in self.params:
                 param.reset_sharded_param()
 
         for module in {p.location.module for p in self.params}:
             module.register_state_dict_pre_hook(reshard)
-            module._register_load_state_dict_pre_hook(reshard)
+            module._register_load_state_dict_pre_hook(discard)
             module.register_load_state_dict_post_hook(reread)
 
     # ------------------------------------------------------------ residence
@@ -293,12 +296,25 @@ class ParamGroup:
             param.to_unsharded()
         self._residence.move(Residence.UNSHARDED)
 
-    def reshard(self) -> None:
-        """Registers the sharded parameters and frees the unsharded ones (a
-        pending all-gather is dropped)."""
+    def discard_pending(self) -> None:
+        """Drops a pending all-gather (its values are about to be overwritten:
+        a state-dict load) and reshards."""
         if self._pending is not None:
             self.comm.streams.compute_waits(self._pending.event)
             self._pending = None
+            self._residence.move(self._gathered_from)
+        self.reshard()
+
+    def reshard(self) -> None:
+        """Registers the sharded parameters and frees the unsharded ones. A
+        pending all-gather is kept for the next unshard ([Note: A pending
+        all-gather outlives a reshard])."""
+        if self._residence.state is Residence.GATHERING:
+            if self._gathered_from is Residence.SHARDED_POST_FORWARD:
+                for param in self.params:
+                    param.to_sharded()
+            self._gathered_from = Residence.SHARDED
+            return
         if self._residence.state is not Residence.SHARDED:
             for param in self.params:
                 param.to_sharded()
@@ -474,13 +490,12 @@ class ParamGroup:
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: back to idle and sharded,
         with nothing kept from the failed iteration."""
-        self._pending = None
         self._partial_reduce = None
         self._post_forward_indices.clear()
         for param in self.params:
             param.accumulated_grad = None
         self._phase.move(Phase.IDLE)
-        self.reshard()
+        self.discard_pending()
 
     def _label(self, name: str) -> str:
         return f"{name} ({self.fqn})" if self.fqn else name

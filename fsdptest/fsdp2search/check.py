@@ -69,6 +69,35 @@ a ``reduce_dtype`` of bf16: a no-sync backward, then ``unshard(async_op=True)`` 
 the root and a forward, fail in torch's all-gather copy-out."""
 
 
+STALE_AFTER_LOAD = "STALE_ALL_GATHER_AFTER_LOAD"
+"""A defect of torch's ``fully_shard`` that shows in values, not in an error:
+after a backward that was not the last (``set_is_last_backward(False)``), the
+all-gather its backward prefetched for a frozen module (whose backward never
+runs) stays pending through a state-dict load (``load_state_dict``, a DCP
+round trip), and torch's next forward copies it out: it computes with the
+parameters from before the load ([Note: A pending all-gather outlives a
+reshard] in fsdp._fully_shard._lifecycle). A program that loads after such a
+backward is compared up to the load, when the runs differ after it; asserted by
+``test_torch_defects_still_fail`` (torch's values differ from the replicated
+reference's)."""
+
+LOADS = ("load_state_dict", "dcp_round_trip")
+
+
+def load_after_non_last_backward(program: Program) -> int | None:
+    """The first load of a frozen program made after a backward that was not the
+    last (and no last one since); None when there is none."""
+    if not program.frozen:
+        return None
+    not_last = False
+    for index, op in enumerate(program.ops):
+        if op.name == "train" and op.args[1] is not None:
+            not_last = op.args[1] is False
+        elif op.name in LOADS and not_last:
+            return index
+    return None
+
+
 def conform(program: Program, impl: str, reference: str, device: torch.device) -> None:
     """Raises ``AssertionError`` naming where ``impl`` 's run differs from ``reference`` 's."""
     mesh = mesh_of(program, device.type)
@@ -80,6 +109,12 @@ def conform(program: Program, impl: str, reference: str, device: torch.device) -
         print(f"fsdp2 allowed: {defect} at {describe_op(program, stop)}")
         theirs, ours = _before(theirs, stop), _before(ours, stop)
     differences = in_order(program, theirs, ours)
+    load = load_after_non_last_backward(program) if differences else None
+    if load is not None and not in_order(
+        program, _before(theirs, load + 1), _before(ours, load + 1)
+    ):
+        print(f"fsdp2 allowed: {STALE_AFTER_LOAD} after {describe_op(program, load)}")
+        return
     if differences:
         raise AssertionError(report(f"{impl} differs from {reference}", differences))
 

@@ -75,6 +75,28 @@ class TestFullyShardUnshardReshard(FSDP2Test):
         for name, param in model.named_parameters():
             self.assertEqual(param.to_local(), shards[name], msg=name)
 
+    def test_pending_all_gather_outlives_reshard(self) -> None:
+        """``unshard(async_op=True)`` then ``reshard()``: the all-gather stays pending
+        and the next forward copies it out without all-gathering again (torch's
+        ``FSDPParamGroup.reshard`` leaves it); the output is the full model's."""
+        model = mlp_stack(4, depth=2)
+        expected = mlp_stack(4, depth=2)
+        shard_each(model)
+        x = batch(self.rank, 0, 2, 4)
+        model(x)  # lazy initialisation
+        model.reshard()
+        for mlp in model:
+            mlp.reshard()
+        handle = model[0].unshard(async_op=True)
+        model[0].reshard()
+        self.assertIsInstance(model[0].in_proj.weight, DTensor)
+        with CollectiveLog(("all_gather",)) as log:
+            out = model(x)
+        self.assertEqual(log.count("all_gather"), 1)  # model[1]'s alone
+        self.assertEqual(out, expected(x))
+        if handle is not None:
+            handle.wait()
+
     def test_set_reshard_after_backward_false(self) -> None:
         """With ``set_reshard_after_backward(False)`` the parameters stay unsharded
         after backward, and the next forward all-gathers nothing for those groups."""

@@ -59,6 +59,7 @@ def test_replay_program(fsdp2_search: Fsdp2Search, replayed_program: Program, mo
 
 TORCH_DEFECT_PROGRAMS = {
     # the shortest program of each fsdptest.fsdp2search.check.TORCH_DEFECTS entry
+    "STALE_ALL_GATHER_AFTER_LOAD": "fsdp2:eNolj9EOgyAMRf-lz2TR7c1fMYYQKRsJUtPWubjs31f0pSnlcHr5wk5copd8IAx3BxUVBquiGMGBvAJH64YRulsHkwPGc-ZDUmSfiHc72b3yhq4VY5b8wehXxjlLptqEVNF0lFKhYHgKRbDJ1pLnIDD0DhLTgQafJqBV82Kp2F7Ls2Wh1bhxBOWQK7hr4yWqWymunyY3QvN70aDoY57VuHOM71DO3uIJth89fn8XbFZn",
     "SPLIT_SIZES_AFTER_POST_FORWARD_UNSHARD": "fsdp2:eNo1j0GOwyAMRe_itVslTNVFroKiyC1GRSKADGmqjubuY1J1gcU3z_-bX9izRLfU8GaYLgiJG0xaa2MHCPVB4vQ2WRjOgzb6Gc-famBGED6YhXxjWXyWXZXyBg2OeEFPsbJya3ixW4rwPdSQk4b48mNONz9e1Sx7HzPpXJONu2mJ4U4VphHBS35z-j7l0sKq24o6kKO1DxcFrYUmFBKgPSI_wZi2GNHMM1rY0rGpAt3paPGToupZBVTu_xz-_gHLSlit",
 }
 
@@ -74,6 +75,22 @@ class TorchDefectRanks(FSDP2Test):
         errors = [str(o.value) for o in seen if o.key == "error"]
         self.assertTrue(errors and errors[0].startswith(expected), f"torch ended with {errors}")
 
+    def torch_is_stale(self, program: Program) -> None:
+        """torch's forward after the load computes with the parameters from before
+        it: its values leave the replicated reference's there, not before."""
+        from fsdptest.fsdp2search.check import by_key, load_after_non_last_backward
+        from fsdptest.fsdp2search.replica import Replica
+        from fsdptest.fsdp2search.run import Fsdp2Runtime, ProgramRun, mesh_of
+
+        load = load_after_non_last_backward(program)
+        assert load is not None, "the program has no load after a backward that was not the last"
+        mesh = mesh_of(program, self.device_type)
+        seen = ProgramRun(program, Fsdp2Runtime("torch"), mesh, self.device).run()
+        expected = Replica(program, self.device).run()
+        differences = by_key(program, expected, seen, {"rtol": 1e-5, "atol": 1e-5})
+        self.assertTrue(differences, "torch's run shows the replicated reference's values")
+        self.assertIn(f"op {load + 1} ", differences[0])
+
 
 @pytest.mark.fsdp2
 @pytest.mark.parametrize("name", sorted(TORCH_DEFECT_PROGRAMS))
@@ -81,14 +98,19 @@ def test_torch_defects_still_fail(rank_calls: RankCalls, name: str) -> None:
     """Each defect of torch's FSDP2 that the conformance search allows still shows
     on its program ([Note: Where torch's FSDP2 fails and the implementation under
     test does not] in fsdptest.fsdp2search.check)."""
-    from fsdptest.fsdp2search.check import TORCH_DEFECTS
+    from fsdptest.fsdp2search.check import STALE_AFTER_LOAD, TORCH_DEFECTS
 
     program = Program.from_replay_id(TORCH_DEFECT_PROGRAMS[name])
-    outcome = rank_calls.run(
-        TorchDefectRanks,
-        "torch_fails",
-        program.world_size,
-        program=program,
-        expected=TORCH_DEFECTS[name],
-    )
+    if name == STALE_AFTER_LOAD:
+        outcome = rank_calls.run(
+            TorchDefectRanks, "torch_is_stale", program.world_size, program=program
+        )
+    else:
+        outcome = rank_calls.run(
+            TorchDefectRanks,
+            "torch_fails",
+            program.world_size,
+            program=program,
+            expected=TORCH_DEFECTS[name],
+        )
     assert outcome.passed, outcome.report
