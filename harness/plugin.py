@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from harness._controller.pytest_reports import (
     report_subtests,
 )
 from harness._controller.report import PoolLeakWarning, Verdict
+from harness._controller.workers import WorkerBudget, memory_gib, usable_cores
 from harness._protocol import RunTest, Status
 from harness._types import Placement, PoolKey, PoolSettings
 
@@ -82,6 +84,7 @@ class Dispatch(NamedTuple):
 dispatch_key = pytest.StashKey[Dispatch]()
 placement_key = pytest.StashKey[Placement]()
 distributed_seen_key = pytest.StashKey[bool]()
+worker_budget_key = pytest.StashKey[WorkerBudget]()
 _deferred_timer_key = pytest.StashKey[object]()
 _STARTING = object()  # the deferred timer is being handed to pytest-timeout
 
@@ -174,6 +177,25 @@ def pytest_configure(config: pytest.Config) -> None:
             config, options.durations_file(config), config.getoption("dist_record_durations")
         )
         config.pluginmanager.register(log, "harness-durations")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """See [Note: Workers under -n auto] in harness._controller.workers."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.option.numprocesses == "logical":
+        return None
+    if config.getoption("dist_device") == "cpu":
+        gpus = 0
+    else:
+        gpus = len(options.fake_gpus(config) or visible_gpus())
+    budget = WorkerBudget(usable_cores(), memory_gib(), gpus, config.getoption("dist_world_size"))
+    config.stash[worker_budget_key] = budget
+    return budget.workers
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    budget = config.stash.get(worker_budget_key, None)
+    return [budget.describe()] if budget is not None else []
 
 
 @pytest.hookimpl(optionalhook=True)
