@@ -429,13 +429,15 @@ _TORCH_PRIVATE = {
 """Where torch keeps each private name, by module."""
 
 _TORCH_RUNTIME = "torch.distributed.fsdp._runtime_utils"
-_TORCH_SEAMS = Seams(
+TORCH_SEAMS = Seams(
     register_pre_backward_hooks=f"{_TORCH_RUNTIME}._register_pre_backward_hooks",
     register_post_backward_hook=f"{_TORCH_RUNTIME}._register_post_backward_hook",
     reshard=f"{_TORCH_RUNTIME}._reshard",
     post_backward_reshard=f"{_TORCH_RUNTIME}._post_backward_reshard",
     get_handle_to_prefetch=f"{_TORCH_RUNTIME}._get_handle_to_prefetch",
 )
+"""Torch's runtime functions of each role: the names upstream's tests patch
+(``upstream._runtime_bridge`` points them at another implementation's)."""
 
 
 class TorchAdapter(Adapter):
@@ -461,7 +463,7 @@ class TorchAdapter(Adapter):
                 "another API)"
             ),
             "EXEC_ORDER_TRACER_MISSING": EXEC_ORDER_TRACER_MISSING,
-            "SEAMS": _TORCH_SEAMS,
+            "SEAMS": TORCH_SEAMS,
             "handle_fqns": lambda handle: tuple(handle.flat_param._fqns),
         }
 

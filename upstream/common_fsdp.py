@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from copy import deepcopy
 from typing import Any
 
@@ -72,6 +72,7 @@ from upstream._fsdp2_helpers import (
     patch_unshard,
     reduce_scatter_with_assert,
 )
+from upstream._runtime_bridge import runtime_seams_bridged
 from upstream.common_device_type import get_devtype
 from upstream.common_distributed import MultiProcessTestCase
 
@@ -236,7 +237,24 @@ class FSDPTest(_LayerFSDPTest, MultiProcessTestCase):
     ``world_size`` is ``--world-size`` (default 2) unless the class sets it:
     upstream's default, one rank per GPU, would make a CPU run, a GPU run and each
     xdist worker check different configurations.
+
+    Each test runs with torch's runtime function names leading to the
+    implementation's ([Note: Upstream's patches of torch's runtime functions] in
+    ``upstream._runtime_bridge``), so upstream's ``mock.patch`` of them sees its calls.
     """
+
+    _runtime_bridge: ExitStack | None = None
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._runtime_bridge = ExitStack()
+        self._runtime_bridge.enter_context(runtime_seams_bridged())
+
+    def tearDown(self) -> None:
+        if self._runtime_bridge is not None:
+            self._runtime_bridge.close()
+            self._runtime_bridge = None
+        super().tearDown()
 
     @property
     def device_type(self) -> str:
