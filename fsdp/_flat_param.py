@@ -366,12 +366,17 @@ class FlatParamHandle:
         self.reshard(free and self.uses_sharded_strategy, use_sharded_views=not keep_views)
         self.lifecycle.end_forward(awaits_backward)
 
-    def pre_backward(self) -> bool:
+    def pre_backward(self, full_precision: bool = False) -> bool:
         """Unshards for backward and sets a stale gradient aside, once per
-        iteration; False when there was nothing to do."""
+        iteration; False when there was nothing to do. ``full_precision``: the
+        module's mode now decides the unsharded dtype, not the last forward's
+        (torch's ``_force_full_precision`` is read live: a forward in training
+        mode and one in eval mode before one backward in training mode unshard
+        in ``param_dtype``)."""
         if not self.lifecycle.begin_backward():
             return False
         with profiler_label("FSDP::pre_backward"):
+            self.storage.force_full_precision = full_precision
             self._unshard_for_compute()
             self.grads.prepare_for_backward()
         return True

@@ -434,7 +434,7 @@ class FSDPState:
         if not context.backward_started:
             context.backward_started = True
             Variable._execution_engine.queue_callback(context.root.finalize_backward)
-        if handle is not None and handle.pre_backward():
+        if handle is not None and handle.pre_backward(self.full_precision_now()):
             self.lifecycle.move(TrainingState.FORWARD_BACKWARD)
             self._prefetch_after(handle, for_forward=False)
         return grad

@@ -131,6 +131,27 @@ def _programs() -> list[Fixed]:
                 full_prec_in_eval=True,
             ),
         ),
+        Fixed(
+            # the backward's mode decides its unshard's dtype: forwards in training
+            # and in eval mode, then a backward in training mode (torch reads
+            # _force_full_precision live; FlatParamHandle.pre_backward)
+            "env FSDP_USE_FULL_PREC_IN_EVAL",
+            _scenario(
+                _two_blocks(_A.ON),
+                (
+                    sc.Forward(),
+                    sc.Train(mode=False),
+                    sc.Forward(again=True),
+                    sc.Train(mode=True),
+                    sc.Backward(),
+                    sc.OptimStep(),
+                ),
+                sharding=Sharding.NO_SHARD,
+                use_orig_params=True,
+                mixed_precision=Precision(param_dtype=DType.FLOAT16, reduce_dtype=DType.FLOAT16),
+                full_prec_in_eval=True,
+            ),
+        ),
         Fixed("model: several forwards before one backward", _scenario(_two_blocks(_A.ON), again)),
         Fixed(
             "model: parameters replaced by the user (a new nn.Parameter)",
