@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -359,7 +360,8 @@ def _promoted_grad_dtype(model: nn.Module) -> torch.dtype:
 
 
 class _ClipGradNormUnmanaged(FSDPTest):
-    def test_unmanaged_parameters_count_once_on_their_rank(self) -> None:
+    @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf], ids=["l1", "l2", "inf"])
+    def test_unmanaged_parameters_count_once_on_their_rank(self, norm_type: float) -> None:
         """An ignored block's gradient (each rank's own) enters that rank's norm
         once (the infinity norm: the largest over the ranks), and is clipped: the norm and that block's clipped gradients equal
         DDP's leaving the block out of its all-reduce, for every sharding x
@@ -367,7 +369,7 @@ class _ClipGradNormUnmanaged(FSDPTest):
         parameters."""
         config = {
             "max_norm": [0.1, 2.5],
-            "norm_type": [1.0, 2.0, math.inf],
+            "norm_type": [norm_type],
             "sharding": list(Sharding),
             "use_orig_params": [False, True],
             "as_states": [False, True],
@@ -402,7 +404,8 @@ class _ClipGradNormUnmanaged(FSDPTest):
         clipped = [p.grad for p in model.module[3].parameters()]
         self.assertEqual(clipped, [p.grad for p in reference.module[3].parameters()])
 
-    def test_norm_dtype_is_every_gradients_promotion(self) -> None:
+    @pytest.mark.parametrize("use_orig_params", [False, True])
+    def test_norm_dtype_is_every_gradients_promotion(self, use_orig_params: bool) -> None:
         """The returned norm's dtype promotes the dtypes of every gradient of the
         rank, whichever unit (root, inner, or none) holds the low-precision ones."""
         bf16 = MixedPrecision(
@@ -414,7 +417,7 @@ class _ClipGradNormUnmanaged(FSDPTest):
         config = {
             "precisions": [(bf16, None), (None, bf16), (bf16, bf16)],
             "unmanaged": [False, True],
-            "use_orig_params": [False, True],
+            "use_orig_params": [use_orig_params],
             "sharding": [Sharding.FULL_SHARD, Sharding.MIXED],
         }
         self.run_subtests(config, self._check_dtype)

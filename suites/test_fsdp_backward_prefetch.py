@@ -6,7 +6,10 @@ for two iterations; the function that picks the unit to prefetch
 wrapped to record, for every pre-backward (``BACKWARD_PRE``) or post-backward
 (``BACKWARD_POST``) hook, the names of the parameters it chose. The forward
 order is encoder 0..5, decoder 0..5, then the root (whose forward ends last), so
-backward prefetches decoder 5..0, then encoder 5..0.
+backward prefetches decoder 5..0, then encoder 5..0. Upstream builds the
+transformer with ``d_model=1024``; the order checked does not depend on the
+widths, so here it is 64 wide (feed-forward 128), which keeps the test short on
+CPU ranks.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class TestBackwardPrefetch(FSDPTest):
         torch.manual_seed(0)
         policy = ModuleWrapPolicy({nn.TransformerEncoderLayer, nn.TransformerDecoderLayer})
         model = FSDP(
-            nn.Transformer(d_model=1024, nhead=8, device=self.device),
+            nn.Transformer(d_model=64, nhead=8, dim_feedforward=128, device=self.device),
             device_id=self.device.type,
             auto_wrap_policy=policy,
             use_orig_params=True,
@@ -91,8 +94,8 @@ class TestBackwardPrefetch(FSDPTest):
 
         # prepare input
         torch.manual_seed(rank + 1)
-        src = torch.randn((10, 1, 1024), device=self.device)
-        tgt = torch.randn((20, 1, 1024), device=self.device)
+        src = torch.randn((10, 1, 64), device=self.device)
+        tgt = torch.randn((20, 1, 64), device=self.device)
 
         # monkey patch
         all_handle_fqns: list[list[str] | None] = []
