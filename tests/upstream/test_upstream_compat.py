@@ -203,6 +203,39 @@ def test_cuda_mapping_is_opt_in_per_test_and_undone_after_it(inner: Any) -> None
     run.result.assert_outcomes(passed=4)
 
 
+SINGLE_PROCESS_CUDA = textwrap.dedent(
+    """
+    import torch
+
+    from upstream.common_distributed import skip_if_lt_x_gpu
+    from upstream.common_utils import TestCase
+
+
+    class TestSingleProcess(TestCase):
+        @skip_if_lt_x_gpu(1)
+        def test_names_cuda(self):
+            moved = torch.rand(3).to("cuda")
+            built = torch.zeros(2, device="cuda")
+            self.assertEqual({moved.device.type, built.device.type}, {"cpu"})
+
+
+    def test_next_test_starts_without_modes():
+        assert torch._C._len_torch_function_stack() == 0
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="maps CUDA where the process has none")
+def test_single_process_upstream_tests_follow_map_cuda_to_cpu(inner: Any) -> None:
+    """An upstream ``TestCase`` test (run in the pytest process, not in ranks) that
+    names CUDA devices runs mapped to the CPU under ``--map-cuda-to-cpu``, and fails
+    without it, as a CPU rank's test does; the mode is gone after the test."""
+    run = inner(SINGLE_PROCESS_CUDA, "-p", "upstream.plugin", "--map-cuda-to-cpu")
+    run.result.assert_outcomes(passed=2)
+    unmapped = inner(SINGLE_PROCESS_CUDA, "-p", "upstream.plugin")
+    unmapped.result.assert_outcomes(passed=1, failed=1)
+
+
 def test_cuda_mapping_resolves_device_arguments_and_restores_the_mode_stack() -> None:
     depth = torch._C._len_torch_function_stack()
     cpu = torch.device("cpu")
