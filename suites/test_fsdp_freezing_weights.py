@@ -417,7 +417,9 @@ class TestAutogradOffFamily(AutogradOffParity, FSDPTest):
 
     world_size = 2
 
-    @pytest.mark.parametrize("forward_prefetch", [False, True], ids=["no_forward_prefetch", "forward_prefetch"])
+    @pytest.mark.parametrize(
+        "forward_prefetch", [False, True], ids=["no_forward_prefetch", "forward_prefetch"]
+    )
     @pytest.mark.parametrize("off", list(AutogradOff), ids=lambda off: off.name.lower())
     def test_trunk_without_autograd_trains_like_ddp(
         self, off: AutogradOff, forward_prefetch: bool
