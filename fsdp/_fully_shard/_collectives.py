@@ -376,18 +376,23 @@ def _chunked_copy(
 def _reduce_scatter(
     send: Tensor, world: int, groups: ReduceGroups, division: Division, spec: ReduceSpec
 ) -> Tensor:
+    """The reduced shard. On one rank the input is the output: the sharded
+    gradients become views of it, without a copy (a user's reduce-scatter, whose
+    ``allocate`` owns the output, still gets its own buffer)."""
     comms, factor = spec.comms, spec.divide_factor
-    out = comms.allocate(
-        comms.reduce_scatter, send.numel() // world, send.dtype, send.device, groups.shard
-    )
     _div(send, division.pre)
     if world > 1:
+        out = comms.allocate(
+            comms.reduce_scatter, send.numel() // world, send.dtype, send.device, groups.shard
+        )
         comms.scatter(out, send, groups.shard, division.reduce_scatter_op)
-    elif factor is not None and division.pre is None and division.post is None:
-        torch.div(send, factor, out=out)  # a one-rank PREMUL_SUM(1 / factor)
-    else:
-        out.copy_(send)
-    return out
+        return out
+    if factor is not None and division.pre is None and division.post is None:
+        send.div_(factor)  # a one-rank PREMUL_SUM(1 / factor)
+    if comms.reduce_scatter is None:
+        return send
+    out = comms.allocate(comms.reduce_scatter, send.numel(), send.dtype, send.device, groups.shard)
+    return out.copy_(send)
 
 
 def _view_out(
