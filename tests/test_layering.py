@@ -72,6 +72,8 @@ LATE_IMPORTS: dict[tuple[str, str], str] = {
     ("fsdptest.plugin", "fsdptest.conformance.scenario"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.fsdp2search.search"): _EVERY_SESSION,
     ("fsdptest.plugin", "fsdptest.fsdp2search.program"): _EVERY_SESSION,
+    ("upstream.plugin", "harness._rank.cuda_mapping"): _EVERY_SESSION,
+    ("upstream.plugin", "harness.plugin"): _EVERY_SESSION,
 }
 
 

@@ -17,14 +17,10 @@ device, when the pytest process has no CUDA.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator
 
 import pytest
-import torch
-
-from harness._rank.cuda_mapping import mapped
-from harness.plugin import maps_cuda_to_cpu
-from upstream.common_utils import TestCase
 
 
 @pytest.hookimpl(optionalhook=True)  # the runner's hook: absent under -p no:harness.plugin
@@ -36,16 +32,30 @@ def pytest_harness_isolated_modules(config: pytest.Config) -> list[str]:
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     """Runs an upstream single-process test under the CUDA-to-CPU mapping when it
     asks for one (see [Note: Single-process tests on a machine without CUDA])."""
-    with mapped(_maps_single_process_test(item), torch.device("cpu")):
+    if not _maps_single_process_test(item):
+        return (yield)
+    import torch
+
+    from harness._rank.cuda_mapping import mapped
+
+    with mapped(True, torch.device("cpu")):
         return (yield)
 
 
 def _maps_single_process_test(item: pytest.Item) -> bool:
+    """Imports nothing heavy for other tests: an upstream ``TestCase`` exists only
+    once its module was imported (a project that never uses ``upstream`` keeps
+    torch unimported)."""
+    common_utils = sys.modules.get("upstream.common_utils")
     cls = getattr(item, "cls", None)
-    return (
-        isinstance(cls, type)
-        and issubclass(cls, TestCase)
-        and not torch.cuda.is_available()
-        and item.config.pluginmanager.has_plugin("harness.plugin")  # its options
-        and maps_cuda_to_cpu(item)
-    )
+    if common_utils is None or not isinstance(cls, type):
+        return False
+    if not issubclass(cls, common_utils.TestCase):
+        return False
+    if not item.config.pluginmanager.has_plugin("harness.plugin"):  # its options
+        return False
+    import torch
+
+    from harness.plugin import maps_cuda_to_cpu
+
+    return not torch.cuda.is_available() and maps_cuda_to_cpu(item)
