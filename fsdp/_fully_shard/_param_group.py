@@ -299,11 +299,16 @@ class ParamGroup:
     def discard_pending(self) -> None:
         """Drops a pending all-gather (its values are about to be overwritten:
         a state-dict load) and reshards."""
+        self._drop_pending()
+        self.reshard()
+
+    def _drop_pending(self) -> None:
+        """A pending all-gather is waited for and dropped; the parameters stay
+        where it found them (sharded, or on the post-forward mesh)."""
         if self._pending is not None:
             self.comm.streams.compute_waits(self._pending.event)
             self._pending = None
             self._residence.move(self._gathered_from)
-        self.reshard()
 
     def reshard(self) -> None:
         """Registers the sharded parameters and frees the unsharded ones. A
@@ -481,10 +486,7 @@ class ParamGroup:
         """After the last backward: a prefetch nobody used is dropped (the
         parameters stay where it found them, on the post-forward mesh too), the
         backward prefetch order forgotten."""
-        if self._pending is not None:
-            self.comm.streams.compute_waits(self._pending.event)
-            self._pending = None
-            self._residence.move(self._gathered_from)
+        self._drop_pending()
         self._post_forward_indices.clear()
 
     def reset_iter_state(self) -> None:
