@@ -421,6 +421,8 @@ class FlatParamHandle:
         storage = self.storage
         if storage.is_unsharded():
             return
+        if self.uses_sharded_strategy and not storage.low_precision_now():
+            self._drop_low_precision_copy()  # [Note: A full-precision unshard drops the low-precision copy]
         ready = storage.ready_unsharded()
         if ready is not None:
             if not prefetch:
@@ -490,6 +492,22 @@ class FlatParamHandle:
             self.views.show_unsharded(self.flat_param, False, HandleTrainingState.FORWARD)
         self.prefetch.move(Prefetch.SHOWN)
 
+    def _drop_low_precision_copy(self) -> None:
+        """Frees the low-precision unsharded copy, if one is allocated.
+
+        [Note: A full-precision unshard drops the low-precision copy]
+        A unit whose forward kept its unsharded parameter (the root,
+        ``SHARD_GRAD_OP``) holds it in the parameter dtype. An unshard in full
+        precision (an eval forward under ``FSDP_USE_FULL_PREC_IN_EVAL``, a
+        summon) frees that copy, as torch's FSDP does: the full-precision
+        parameters it shows may be edited, and the next low-precision forward or
+        backward must gather them again rather than compute with the old copy.
+        """
+        low = self.storage.low_precision_unsharded()
+        if low is not None:
+            self._release([low])
+            free_storage(low)
+
     def _use_unsharded_views(self, as_params: bool) -> None:
         """Sets the original parameter names to views into the unsharded flat
         parameter: ``nn.Parameter`` s when ``as_params`` (summon_full_params,
@@ -510,10 +528,7 @@ class FlatParamHandle:
         frees the unsharded data (not when forward kept it)."""
         self.lifecycle.begin_summon()
         self.storage.force_full_precision = True
-        low = self.storage.low_precision_unsharded()  # [Note: Summoning keeps what forward kept]
-        if low is not None:
-            self._release([low])
-            free_storage(low)
+        self._drop_low_precision_copy()  # [Note: Summoning keeps what forward kept]
         free_on_exit = self.storage.ready_unsharded() is None
         # Outside forward nothing else orders the all-gather after the optimizer
         # step or a writeback on the current stream (see fsdp._streams).

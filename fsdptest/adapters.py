@@ -215,6 +215,11 @@ class KnownDefects:
     keeps_replaced_shape_of_no_shard_parameter: bool = False
     """NO_SHARD, use_orig_params: ``p.data`` of another shape stays shown, and a full
     state dict saves it in that shape (suites/test_regressions.py::TestWriteback)."""
+    keeps_full_precision_eval_copy: bool = False
+    """FSDP_USE_FULL_PREC_IN_EVAL with a param_dtype: a unit not resharded after
+    forward keeps an eval forward's full-precision copy, and the next eval forward
+    computes with it after an optimizer step
+    (suites/test_mixed_precision.py::TestFSDPTrainEval)."""
     zero_grad_keeps_gradient_set_aside_by_no_sync: bool = False
     """zero_grad(set_to_none=True) after a backward under no_sync leaves the sharded
     gradient from before the window to the next synced backward

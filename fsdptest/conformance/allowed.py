@@ -156,6 +156,21 @@ UNASKED = _entries(
         "test_frozen_first_unit_is_resharded_after_backward",
     ),
     Unasked(
+        "FULL_PRECISION_EVAL_COPY_KEPT",
+        "FSDP_USE_FULL_PREC_IN_EVAL with a param_dtype: an eval forward all-gathers a "
+        "unit in full precision, and a unit not resharded after forward (the root; every "
+        "unit under SHARD_GRAD_OP) keeps that copy; torch's FSDP frees only the "
+        "low-precision copy at later reshards, so its next full-precision unshard (an eval "
+        "forward, summon_full_params, a full state dict) uses the kept copy, also after an "
+        "optimizer step, a load or an edit changed the parameters (eval outputs and "
+        "summoned values of before the step); this project's FSDP frees it at the next "
+        "reshard (so a summon after a training backward all-gathers under ours only). "
+        "Where either side is torch's, such setups stay in eval mode from their first "
+        "eval forward on and change no parameter in eval mode (no step, load, edit, "
+        "replacement or apply)",
+        "suites/test_mixed_precision.py::TestFSDPTrainEval::test_eval_after_a_step_sees_the_step",
+    ),
+    Unasked(
         "CLIP_AFTER_INF_NORM_WITH_FROZEN",
         "clip_grad_norm_ with use_orig_params=True and a frozen parameter, or a rank whose "
         "shard of a unit holds no parameter's element (a unit smaller than the world size "

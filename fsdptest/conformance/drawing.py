@@ -79,6 +79,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
         self.hooked = False
         self.history = GradHistory()  # see fsdptest.conformance.history
         self.kept = False  # a forward ran since the last synced backward (unsharded kept)
+        self.eval_mode = False  # the model's train(False) is in effect
         self.scaler_growth: tuple[int | None] | None = None  # the scaler's growth_interval
 
     # -- the scenario's model and arguments ------------------------------------------------
@@ -114,10 +115,20 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
             self.history.written_back()
         if any(isinstance(op, (sc.OptimStep, sc.ScalerStep)) for op in ops):
             self.history.stepped()
+        if self.eval_mode and any(isinstance(op, sc.Forward) for op in ops):
+            self.history.eval_forward_ran()
+
+    def _may_change_parameters(self) -> bool:
+        """No step, load, edit, replacement or apply in eval mode or after an eval
+        forward where the reference reuses the eval forward's full-precision
+        copies (``FULL_PRECISION_EVAL_COPY_KEPT``)."""
+        if not self.TARGET.keeps_stale_full_precision(self.setup):
+            return True
+        return not (self.eval_mode or self.history.eval_forwarded)
 
     # -- training ------------------------------------------------------------------------------
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self._may_change_parameters())
     @rule(
         microbatches=st.lists(st.booleans(), min_size=1, max_size=3),
         set_to_none=st.sampled_from(ZERO_GRADS),
@@ -205,7 +216,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
         self.pending = False
         self.kept = self.kept and self._in("no_sync")
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self._may_change_parameters())
     @rule()
     def optim_step(self) -> None:
         self._add(sc.OptimStep())
@@ -235,7 +246,12 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
     @precondition(lambda self: self.net is not None and not self._in("summon"))
     @rule(mode=st.booleans())
     def train(self, mode: bool) -> None:
+        """Back to training only before the first eval forward where the reference
+        reuses its full-precision copies (``FULL_PRECISION_EVAL_COPY_KEPT``)."""
+        if self.history.eval_forwarded and self.TARGET.keeps_stale_full_precision(self.setup):
+            mode = False
         self._add(sc.Train(mode=mode))
+        self.eval_mode = not mode
 
     @precondition(
         lambda self: (
@@ -331,7 +347,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
     # ``enter_summon``, ``edit_parameters``, ``save_optim_state`` and
     # ``train_step`` still draw every other combination.
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self._may_change_parameters())
     @rule(recurse=st.booleans().map(lambda b: not b), offload_to_cpu=st.booleans())
     def edit_summoned(self, recurse: bool, offload_to_cpu: bool) -> None:
         """``with summon_full_params(..., writeback=False): edit the parameters`` on
@@ -364,6 +380,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
             self.net is not None
             and not self.pending
             and self.TARGET.may_edit_parameters(self.setup, self.history.resharded)
+            and self._may_change_parameters()
         )
     )
     @rule()
@@ -392,6 +409,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
             self._free()
             and self.setup.use_orig_params
             and (not self.kept or self.TARGET.may_replace_data_after_forward())
+            and self._may_change_parameters()
         )
     )
     @rule(flatten=st.sampled_from((False, False, False, True)))
@@ -410,6 +428,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
             and not self._in("no_sync")
             and not self.history.has_grads
             and self.TARGET.may_replace_parameters(self.net)
+            and self._may_change_parameters()
         )
     )
     @rule()
@@ -421,7 +440,12 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
         self.history.data_replaced()
 
     @precondition(
-        lambda self: self._free() and not self._in("no_sync") and self.TARGET.may_scale_gradients()
+        lambda self: (
+            self._free()
+            and not self._in("no_sync")
+            and self.TARGET.may_scale_gradients()
+            and self._may_change_parameters()
+        )
     )
     @rule(clip=st.booleans(), growth_interval=st.sampled_from((None, 1)))
     def scaled_train_step(self, clip: bool, growth_interval: int | None) -> None:
@@ -439,7 +463,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
         self._backward_ran(False)
         self.kept = False
 
-    @precondition(lambda self: self._free())
+    @precondition(lambda self: self._free() and self._may_change_parameters())
     @rule(fn=st.sampled_from(list(sc.ApplyFn)))
     def apply(self, fn: sc.ApplyFn) -> None:
         self._add(sc.Apply(fn=fn))

@@ -71,6 +71,7 @@ class StateDictRules:
     saved_optim: list[SavedOptim]
     history: GradHistory
     _free: Callable[[], bool]
+    _may_change_parameters: Callable[[], bool]
     _add: Callable[..., None]
 
     # -- state dicts ---------------------------------------------------------------------------
@@ -127,7 +128,9 @@ class StateDictRules:
             )
         ]
 
-    @precondition(lambda self: self._free() and bool(self._loadable()))
+    @precondition(
+        lambda self: self._free() and bool(self._loadable()) and self._may_change_parameters()
+    )
     @rule(
         data=st.data(),
         strict=st.booleans().map(lambda b: not b),

@@ -43,6 +43,11 @@ class GradHistory:
     replaced: bool = False
     # a backward ran: every unit resharded (OFFLOADED_EDITS_BEFORE_FIRST_RESHARD)
     resharded: bool = False
+    # a forward ran in eval mode (FULL_PRECISION_EVAL_COPY_KEPT)
+    eval_forwarded: bool = False
+
+    def eval_forward_ran(self) -> None:
+        self.eval_forwarded = True
 
     def zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:

@@ -226,6 +226,13 @@ class Target:
             return False
         return precision.param_dtype is not None or precision.reduce_dtype is not None
 
+    def keeps_stale_full_precision(self, setup: Setup) -> bool:
+        """Whether an eval forward leaves full-precision copies the reference reuses
+        after parameters change (``FULL_PRECISION_EVAL_COPY_KEPT``)."""
+        precision = setup.mixed_precision
+        low = precision is not None and precision.param_dtype is not None
+        return setup.full_prec_in_eval and low and not self.asks("FULL_PRECISION_EVAL_COPY_KEPT")
+
     def may_accumulate_hooked(self, setup: Setup) -> bool:
         """Whether a backward with a communication hook may start from an existing gradient."""
         return setup.sharding is not Sharding.NO_SHARD or self.asks(
