@@ -346,13 +346,16 @@ def _run_hook(
     hook: Callable[[Tensor], None], out: Tensor, stream: torch.cuda.Stream | None
 ) -> None:
     """The user's all-reduce hook on the reduced output, on its own stream if it
-    gave one (ordered after the reduction and before what follows it)."""
-    if stream is None or out.device.type != "cuda":
+    gave one (ordered after the reduction and before what follows it), through
+    the device's module as torch's does: on the CPU ``torch.cpu``'s streams,
+    whose current stream is the given one while the hook runs."""
+    if stream is None:
         hook(out)
         return
-    reduce = torch.cuda.current_stream(out.device)
+    device_module = torch.get_device_module(out.device.type)
+    reduce = device_module.current_stream(out.device)
     stream.wait_stream(reduce)
-    with torch.cuda.stream(stream):
+    with device_module.stream(stream):
         hook(out)
     reduce.wait_stream(stream)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdptest.api import fully_shard
 from suites.fsdp2.helpers import (
     STEPS,
     CollectiveLog,
@@ -226,6 +227,32 @@ class TestFullyShardHSDPAccumulation(FSDP2Test):
         self.assertEqual(log.count("reduce_scatter"), 2 * groups)
         average_gradients(run.reference)
         check_sharded_parity(self, run.reference, model)
+
+
+class TestFullyShardAllReduceHook(FSDP2Test):
+    def test_hook_runs_on_the_given_stream(self) -> None:
+        """``set_all_reduce_hook(hook, stream=s)`` on a 1-D mesh runs the hook once per
+        group and backward with ``s`` as the device's current stream (``torch.cpu``'s
+        streams on CPU ranks too, as torch runs it through the device's module); a
+        hook that changes nothing keeps parity with the reference. On a 2-D (HSDP)
+        mesh a stream is refused."""
+        device_module = torch.get_device_module(self.device_type)
+        stream = device_module.Stream()
+        on_stream: list[bool] = []
+
+        def hook(output: torch.Tensor) -> None:
+            on_stream.append(device_module.current_stream() == stream)
+
+        run = lockstep(self, chain, shard_chain)
+        groups = fsdp_modules(run.model)
+        for module in groups:
+            module.set_all_reduce_hook(hook, stream=stream)
+        run.train(2, (2, WIDTHS[0]))
+        self.assertEqual(on_stream, [True] * (2 * len(groups)))
+        hsdp = chain()
+        fully_shard(hsdp, mesh=self.hsdp_mesh(1))
+        with self.assertRaisesRegex(ValueError, "stream cannot be set when using native HSDP"):
+            hsdp.set_all_reduce_hook(hook, stream=stream)
 
 
 class TestFullyShardPrefetch(FSDP2Test):
