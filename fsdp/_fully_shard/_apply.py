@@ -39,6 +39,10 @@ from fsdp._fully_shard._state import FullyShardState, state_of
 __all__ = ["fully_shard"]
 
 _FSDP_CLASSES: dict[type, type] = {}
+# The prefix of the attributes torch's composable APIs (``contract``) keep in a
+# module's ``__dict__``: their states by function, and their registry by function
+# name (``REGISTRY_KEY``, the prefix and a uuid drawn per process)
+_COMPOSABLE_KEY_PREFIX = "__composable_api_state_key"
 # torch's defaults: frozen, so one instance serves every call
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
@@ -134,11 +138,15 @@ def _check_module(module: nn.Module) -> None:
 
 def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[nn.Module]:
     """The modules of the roots' trees down to earlier ``fully_shard`` modules,
-    children before parents, without those entirely ignored."""
+    children before parents, without those entirely ignored. A module that
+    torch's composable ``replicate`` was applied to is left out with its subtree
+    (its parameters are ``replicate``'s, as torch's ``fully_shard`` leaves them)."""
     found: list[nn.Module] = []
     visited: set[nn.Module] = set()
 
     def visit(module: nn.Module) -> None:
+        if _has_replicate(module):
+            return
         if module not in roots and state_of(module) is not None:
             return
         visited.add(module)
@@ -153,6 +161,17 @@ def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         return found
     decided: dict[nn.Module, bool] = {}
     return [m for m in found if not _all_ignored(m, ignored, decided)]
+
+
+def _has_replicate(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate`` was applied to ``module`` (its
+    registry, read from the module's ``__dict__`` without importing torch's
+    composable package)."""
+    return any(
+        isinstance(value, dict) and "replicate" in value
+        for key, value in vars(module).items()
+        if key.startswith(_COMPOSABLE_KEY_PREFIX)
+    )
 
 
 def _all_ignored(

@@ -198,6 +198,10 @@ class ShardedParam:
         data: Tensor = param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
         info, dim = self.mesh_info, self.shard_dim
         size = data.size()
+        if dim >= data.ndim:
+            raise AssertionError(
+                f"Shard dim {dim} is invalid for {data.ndim}D tensor: {param.shape}"
+            )
         if dim > 0 and size[dim] % info.shard_size != 0:
             raise NotImplementedError(
                 f"FSDP does not support uneven sharding on dim {dim}: "
@@ -440,6 +444,11 @@ class ShardedParam:
         hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
         for hook in hooks.values():
             hook(param)
+
+    @property
+    def _param_fqn(self) -> str:
+        """torch's name for ``fqn`` (upstream's tests read it)."""
+        return self.fqn
 
     def __repr__(self) -> str:
         return f"ShardedParam(fqn={self.fqn}, orig_size={self.orig_size})"

@@ -181,6 +181,11 @@ class ParamGroup:
         return self.fqn
 
     @property
+    def fsdp_params(self) -> list[ShardedParam]:
+        """torch's name for ``params`` (upstream's tests read it)."""
+        return self.params
+
+    @property
     def offloads(self) -> bool:
         return isinstance(self.offload_policy, CPUOffloadPolicy)
 

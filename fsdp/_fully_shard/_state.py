@@ -84,6 +84,11 @@ class TreeContext:
         self.is_last_backward = True
         self.post_optim_event = None
 
+    @property
+    def all_states(self) -> list[FullyShardState]:
+        """torch's name for ``states`` (upstream's tests read it)."""
+        return self.states
+
 
 class FullyShardState:
     """The hooks of one ``fully_shard`` module and its place in the tree (see
@@ -133,6 +138,23 @@ class FullyShardState:
     def module(self) -> nn.Module:
         """The module (the first, for a group of several)."""
         return self.modules[0]
+
+    # torch's private names for the tree, which upstream's tests read
+    # (``fully_shard.state(m)._lazy_init()``, ``._is_root``, ...)
+    def _lazy_init(self) -> None:
+        self.lazy_init()
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self.is_root
+
+    @property
+    def _state_ctx(self) -> TreeContext:
+        return self.tree
+
+    @property
+    def _fsdp_param_group(self) -> ParamGroup | None:
+        return self.group
 
     def set_group(self, group: ParamGroup) -> None:
         self.group = group

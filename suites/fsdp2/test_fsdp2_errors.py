@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 from fsdptest.api import FSDP2, fully_shard, register_fsdp_forward_method
 from models import MLP
@@ -93,6 +94,13 @@ class TestFullyShardErrors(FSDP2Test):
         module.scale = nn.Parameter(torch.tensor(2.0))
         with self.assertRaisesRegex(ValueError, "doesn't support scalar parameters"):
             fully_shard(module)
+
+    def test_shard_dim_beyond_the_parameter_raises(self) -> None:
+        """A ``shard_placement_fn`` naming a dimension the parameter lacks
+        (``Shard(1)`` of a 1-D norm weight) is refused with an AssertionError
+        naming the dimension and the parameter's rank, not an IndexError."""
+        with self.assertRaisesRegex(AssertionError, "Shard dim 1 is invalid for 1D tensor"):
+            fully_shard(nn.LayerNorm(6), shard_placement_fn=lambda param: Shard(1))
 
     def test_set_reshard_after_forward_wrong_type(self) -> None:
         """``FSDPModule.set_reshard_after_forward`` takes a bool only."""

@@ -55,6 +55,48 @@ class TestFullyShardState(FSDP2Test):
         self.assertFalse(isinstance(stack[:2], FSDPModule))
         self.assertIsInstance(stack[:2], nn.Sequential)
 
+    def test_lazy_init_by_torch_names(self) -> None:
+        """The tree as torch's private names show it (upstream's tests read them):
+        after ``fully_shard.state(root)._lazy_init()`` only the root's ``_is_root``
+        is true, ``_state_ctx.all_states`` is the root's state then the others in
+        module order, and each ``_fsdp_param_group`` has the module's name as
+        ``_module_fqn`` and its ``fsdp_params`` the parameters' names from the root
+        (the root's own group holds the unsharded child's)."""
+        model = nn.Sequential(MLP(4), MLP(4))
+        shard_each(model, [model[0].in_proj, model[0].out_proj])
+        root = fully_shard.state(model)
+        root._lazy_init()
+        inner = [fully_shard.state(model[0].in_proj), fully_shard.state(model[0].out_proj)]
+        self.assertEqual([s._is_root for s in [root, *inner]], [True, False, False])
+        self.assertEqual(root._state_ctx.all_states, [root, *inner])
+        expected = {
+            "": {f"1.{m}.{p}" for m in ("in_proj", "out_proj") for p in ("weight", "bias")},
+            "0.in_proj": {"0.in_proj.weight", "0.in_proj.bias"},
+            "0.out_proj": {"0.out_proj.weight", "0.out_proj.bias"},
+        }
+        for state, fqn in zip([root, *inner], expected):
+            group = state._fsdp_param_group
+            self.assertEqual(group._module_fqn, fqn)
+            self.assertEqual({p._param_fqn for p in group.fsdp_params}, expected[fqn])
+
+    def test_lazy_init_errors(self) -> None:
+        """A nested state set up first (as if its forward ran before the root's)
+        makes the root's set-up refuse, naming it; a call on several modules cannot
+        be the root of a tree."""
+        model = nn.Sequential(MLP(4), MLP(4))
+        shard_each(model, [model[0].in_proj, model[0].out_proj])
+        fully_shard.state(model[0].in_proj)._lazy_init()
+        regex = (
+            "FSDP state has already been lazily initialized for 0.in_proj\n"
+            "FSDP requires running forward through the root module first"
+        )
+        with self.assertRaisesRegex(RuntimeError, regex):
+            fully_shard.state(model)._lazy_init()
+        pair = nn.Sequential(MLP(4), MLP(4))
+        fully_shard([pair[0], pair[1]])
+        with self.assertRaisesRegex(RuntimeError, "FSDP requires a single root module but got "):
+            fully_shard.state(pair[0])._lazy_init()
+
 
 class TestFullyShardParameters(FSDP2Test):
     def test_sharded_parameters(self) -> None:
@@ -228,6 +270,22 @@ class TestFullyShardInitMore(FSDP2Test):
             lambda m: shard_each(m, [m[0], m[1]] if children_sharded else [m[1]]),
         )
         run.train(2, (2, 4))
+
+    def test_replicated_child_is_left_to_replicate(self) -> None:
+        """A child that torch's composable ``replicate`` was applied to is not
+        managed by a later ``fully_shard`` of its parent (nor is its subtree): its
+        parameters stay the same plain tensors, every other parameter becomes a
+        DTensor."""
+        from torch.distributed._composable import replicate
+
+        model = nn.Sequential(*(MLP(4) for _ in range(3))).to(self.device)
+        replicate(model[0])
+        kept = list(model[0].parameters())
+        fully_shard(model[2])
+        fully_shard(model)
+        self.assertEqual([id(p) for p in model[0].parameters()], [id(p) for p in kept])
+        for name, param in model.named_parameters():
+            self.assertEqual(isinstance(param, DTensor), not name.startswith("0."), msg=name)
 
 
 class TestFullyShardHSDPInit(FSDP2Test):
