@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "MeshInfo",
+    "logger",
     "default_mesh",
     "device_of",
     "post_forward_mesh",
@@ -34,7 +35,11 @@ __all__ = [
     "validate_mesh",
 ]
 
-_logger = logging.getLogger("fsdp.fully_shard")
+# torch's ``fully_shard`` logger name: the warnings and the debug trace of each
+# hook (``FSDP::pre_forward (<module>)``, ...) go where torch's go, so that
+# ``TORCH_LOGS=fsdp`` (torch's "fsdp" log covers ``torch.distributed.fsdp``) and a
+# user's logging configuration for torch's FSDP show ours as well
+logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,7 +122,7 @@ def _normalized(value: bool | int, shard_size: int) -> bool | int:
             f"factor of {shard_size}, not {value}"
         )
     if value == 1:
-        _logger.warning(
+        logger.warning(
             "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
             "instead of reshard_after_forward=True (bool)"
         )

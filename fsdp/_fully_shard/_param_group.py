@@ -52,7 +52,7 @@ from fsdp._fully_shard._lifecycle import (
     Phase,
     Residence,
 )
-from fsdp._fully_shard._mesh import MeshInfo
+from fsdp._fully_shard._mesh import MeshInfo, logger
 from fsdp._fully_shard._param import ShardedParam
 from fsdp._lifecycle import Lifecycle
 from fsdp._streams import CommStreams
@@ -360,6 +360,7 @@ class ParamGroup:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Pre: the group is idle (or finished a backward). Post: unsharded, and
         the inputs carry the post-backward registration."""
+        logger.debug("%s", self._label("FSDP::pre_forward"))
         with profiler_label(self._label("FSDP::pre_forward")):
             entering = self._phase.state is not Phase.FORWARD  # not a group's later module
             self._phase.move(Phase.FORWARD)
@@ -370,6 +371,7 @@ class ParamGroup:
     def post_forward(self, module: nn.Module | None, output: Any) -> Any:
         """Reshards as ``reshard_after_forward`` says (not when recomputing in
         backward) and records the group for backward prefetching."""
+        logger.debug("%s", self._label("FSDP::post_forward"))
         with profiler_label(self._label("FSDP::post_forward")):
             if torch._C._current_graph_task_id() == -1:
                 self._reshard_after_forward()
@@ -414,6 +416,7 @@ class ParamGroup:
         before it in forward prefetched (``default_prefetch``)."""
         if self._phase.state is Phase.PRE_BACKWARD:
             return
+        logger.debug("%s", self._label("FSDP::pre_backward"))
         with profiler_label(self._label("FSDP::pre_backward")):
             self._phase.move(Phase.PRE_BACKWARD)
             self.unshard(self.unshard_async_op)
@@ -433,6 +436,7 @@ class ParamGroup:
         Post: resharded (unless told otherwise) and the gradients reduced into
         the sharded parameters' ``.grad`` (or kept, without gradient sync)."""
         self._phase.move(Phase.POST_BACKWARD)
+        logger.debug("%s", self._label("FSDP::post_backward"))
         with profiler_label(self._label("FSDP::post_backward")):
             for param in self.params:
                 param.accumulate_unsharded_grad()

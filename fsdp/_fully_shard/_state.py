@@ -46,6 +46,7 @@ from torch.autograd import Variable
 from fsdp._common import profiler_label
 from fsdp._fully_shard._api import MixedPrecisionPolicy
 from fsdp._fully_shard._lifecycle import Phase
+from fsdp._fully_shard._mesh import logger
 from fsdp._fully_shard._param_group import CommContext, ParamGroup
 from fsdp._utils import _apply_to_tensors, cast_floats, to_device
 
@@ -268,6 +269,7 @@ class FullyShardState:
         tree = self.tree
         if tree.iter_forward_root is not None:
             return args, kwargs
+        logger.debug("FSDP::root_pre_forward")
         tree.iter_forward_root = self
         streams = self.comm.streams
         if tree.post_optim_event is not None:
@@ -319,6 +321,7 @@ class FullyShardState:
         for state in reversed(self.tree.states):
             if state is self or not state._to_run:
                 continue
+            logger.debug("FSDP::force_complete_post_forward")
             if state.group is not None:
                 output = state.group.post_forward(None, output)
             output = state._cast_output(state._register_pre_backward(output))
@@ -414,5 +417,6 @@ class FullyShardState:
 
 
 def _end_of_backward(root: FullyShardState) -> None:
+    logger.debug("FSDP::root_post_backward")
     with profiler_label("FSDP::root_post_backward_callback"):
         root.end_of_backward()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -153,6 +154,43 @@ class TestFullyShardLifecycle(FSDP2Test):
         else:
             self.assertFalse(isinstance(seen[0], DTensor))
             self.assertEqual(seen[0], full)
+
+    def test_debug_log_of_one_step(self) -> None:
+        """At DEBUG, the logger ``torch.distributed.fsdp.fully_shard`` (what
+        ``TORCH_LOGS=+fsdp`` turns on) traces a step of two sharded layers under a
+        sharded root: the root's pre-forward once, each group's pre/post-forward in
+        forward order and pre/post-backward in reverse, labelled with the module's
+        name, then the root's post-backward (facts of upstream's
+        ``test_fully_shard_logging.py``; the order is torch's, the root's own group
+        holding no parameters here)."""
+        model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(2)))
+        shard_each(model)
+        x = batch(self.rank, 0, 4, 4)
+        logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = records.append  # type: ignore[method-assign]
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        try:
+            model(x).sum().backward()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        expected = [
+            "FSDP::root_pre_forward",
+            "FSDP::pre_forward (0)",
+            "FSDP::post_forward (0)",
+            "FSDP::pre_forward (1)",
+            "FSDP::post_forward (1)",
+            "FSDP::pre_backward (1)",
+            "FSDP::post_backward (1)",
+            "FSDP::pre_backward (0)",
+            "FSDP::root_post_backward",
+            "FSDP::post_backward (0)",
+        ]
+        self.assertEqual([record.getMessage() for record in records], expected)
 
 
 class TestFullyShardOptimizers(FSDP2Test):
