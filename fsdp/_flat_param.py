@@ -152,6 +152,9 @@ class FlatParamHandle:
             not use_unsafe_setattr,
             self._param_extensions,
         )
+        self.flat_param.describe_params(
+            self.layout, ordered, self.views.params if use_orig_params else None
+        )
         self.lifecycle = UnitLifecycle()
         self.has_optim_in_backward = False
         self.prefetch = Lifecycle(Prefetch.NONE, PREFETCH_TRANSITIONS, "FlatParamHandle prefetch")

@@ -28,12 +28,13 @@ communication. Transitions are checked.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fsdp._dtensor_extensions import local_of
-from fsdp._layout import ShardLayout, ShardParamInfo
+from fsdp._layout import FlatParamLayout, ParamInfo, ShardLayout, ShardParamInfo, SharedParamInfo
 
 
 class FlatParameter(torch.nn.Parameter):
@@ -56,9 +57,53 @@ class FlatParameter(torch.nn.Parameter):
     _padded_unsharded_size: torch.Size
     _unpadded_unsharded_size: torch.Size
     _sharded_size: torch.Size
+    # what was flattened (torch's FlatParameter metadata; see describe_params)
+    _num_params: int
+    _param_infos: tuple[ParamInfo, ...]
+    _shared_param_infos: tuple[SharedParamInfo, ...]
+    _fqns: tuple[str, ...]
+    _shapes: tuple[torch.Size, ...]
+    _strides: tuple[tuple[int, ...], ...]
+    _contiguities: tuple[bool, ...]
+    _numels: tuple[int, ...]
+    _modules: set[nn.Module]
+    _params: list[nn.Parameter] | None  # the original parameters (use_orig_params only)
+    _shared_params: list[nn.Parameter] | None  # their shared aliases (use_orig_params only)
 
     def __new__(cls, data: Tensor, requires_grad: bool = True) -> FlatParameter:
         return torch.Tensor._make_subclass(cls, data, requires_grad)  # type: ignore[return-value]
+
+    def describe_params(
+        self,
+        layout: FlatParamLayout,
+        ordered: Sequence[nn.Parameter],
+        orig_params: list[nn.Parameter] | None,
+    ) -> None:
+        """torch's metadata of what this flat parameter holds: the parameters'
+        infos, names, shapes, strides and numels, the modules they live in, and,
+        under ``use_orig_params``, the original parameter variables. ``orig_params``
+        is the list the unit keeps (a writeback that replaces a variable replaces it
+        there, so ``_params`` stays current); ``None`` without ``use_orig_params``,
+        as torch's ``_params`` and ``_shared_params``."""
+        self._num_params = len(layout.param_infos)
+        self._param_infos = layout.param_infos
+        self._shared_param_infos = layout.shared_param_infos
+        self._fqns = layout.fqns
+        self._shapes = layout.shapes
+        self._strides = tuple(tuple(p.stride()) for p in ordered)
+        self._contiguities = tuple(p.is_contiguous() for p in ordered)
+        self._numels = layout.numels
+        self._modules = {i.module for i in layout.param_infos} | {
+            i.module for i in layout.shared_param_infos
+        }
+        self._params = orig_params
+        self._shared_params = None
+        if orig_params is not None:  # a shared parameter is its first occurrence's variable
+            index = {(id(i.module), i.param_name): k for k, i in enumerate(layout.param_infos)}
+            self._shared_params = [
+                ordered[index[(id(i.prim_module), i.prim_param_name)]]
+                for i in layout.shared_param_infos
+            ]
 
 
 class ShardState(enum.Enum):

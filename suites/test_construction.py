@@ -12,6 +12,15 @@ offset of the flat parameter and the flat parameter is padded to a multiple of
 the world size; ``_numels_with_padding`` lists the segments and
 ``_is_padding_mask`` marks the padding. With ``use_orig_params=False`` there is
 no padding segment at all (the world-size padding happens when sharding).
+
+The flat parameter also describes what it holds, under torch's names:
+``_num_params``, ``_fqns``, ``_shapes``, ``_strides``, ``_contiguities`` and
+``_numels`` of each parameter (relative to the unit's module, in flat order),
+``_param_infos`` / ``_shared_param_infos`` (a tied parameter is flattened once and
+listed as shared) and ``_modules``. With ``use_orig_params=True`` ``_params`` are the
+original parameter variables and ``_shared_params`` their tied aliases; a variable
+the user replaces takes its place in ``_params`` at the writeback. Without it both
+are ``None``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdptest import FSDPTest
-from fsdptest.api import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+from fsdptest.api import (
+    FSDP,
+    CPUOffload,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    torch_refuses_cpu_offload,
+)
 from harness import current_device
 
 ALL_STRATEGIES = [
@@ -300,6 +316,88 @@ class TestPaddingMetadataWorld2(_PaddingMetadata):
 
 
 class TestPaddingMetadataWorld3(_PaddingMetadata):
+    world_size = 3
+
+
+class _Tied(nn.Module):
+    """An embedding whose weight the output projection shares, and a Linear between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.lin = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(self.embed(x))))
+
+
+class _FlatParamContents(FSDPTest):
+    def test_flat_param_describes_its_parameters(self) -> None:
+        """The flat parameter's metadata names, shapes and (use_orig_params) holds the
+        original parameters, the tied one listed once plus as shared."""
+        config = {
+            "strategy": ALL_STRATEGIES,
+            "use_orig_params": [False, True],
+            "offload": [False, True],
+        }
+        self.run_subtests(config, self._check_contents)
+
+    def _check_contents(
+        self, strategy: ShardingStrategy, use_orig_params: bool, offload: bool
+    ) -> None:
+        if torch_refuses_cpu_offload(CPUOffload(offload_params=offload)):
+            self.skipTest("torch's FSDP cannot offload parameters on CPU ranks")
+        module = _Tied().to(current_device())
+        originals = [module.embed.weight, module.lin.weight, module.lin.bias]
+        wrapped = FSDP(
+            module,
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+            cpu_offload=CPUOffload(offload_params=offload),
+        )
+        flat_param = wrapped._handle.flat_param
+        self.assertEqual(flat_param._num_params, 3)
+        self.assertEqual(list(flat_param._fqns), ["embed.weight", "lin.weight", "lin.bias"])
+        self.assertEqual(list(flat_param._shapes), [(6, 4), (4, 4), (4,)])
+        self.assertEqual(list(flat_param._numels), [24, 16, 4])
+        self.assertEqual([tuple(s) for s in flat_param._strides], [(4, 1), (4, 1), (1,)])
+        self.assertEqual(list(flat_param._contiguities), [True, True, True])
+        infos = [(i.module_name, i.param_name) for i in flat_param._param_infos]
+        self.assertEqual(infos, [("embed", "weight"), ("lin", "weight"), ("lin", "bias")])
+        (shared,) = flat_param._shared_param_infos
+        self.assertEqual(
+            (shared.module_name, shared.param_name, shared.prim_module_name),
+            ("out", "weight", "embed"),
+        )
+        self.assertEqual(
+            {id(m) for m in flat_param._modules}, {id(module.embed), id(module.lin), id(module.out)}
+        )
+        if not use_orig_params:
+            self.assertIsNone(flat_param._params)
+            self.assertIsNone(flat_param._shared_params)
+            return
+        self.assertEqual([id(p) for p in flat_param._params], [id(p) for p in originals])
+        self.assertEqual([id(p) for p in flat_param._shared_params], [id(module.embed.weight)])
+        # A replaced variable is written back and takes the old one's place in
+        # _params, where this rank holds part of the parameter (a rank holding none
+        # of it keeps its empty one).
+        in_shard = module.lin.weight.numel() > 0
+        replacement = nn.Parameter(torch.full_like(module.lin.weight, 2.0))
+        module.lin.weight = replacement
+        with FSDP.summon_full_params(wrapped):
+            pass
+        self.assertIs(flat_param._params[1], module.lin.weight)
+        self.assertEqual(flat_param._params[1] is replacement, in_shard)
+        self.assertTrue(torch.all(module.lin.weight == 2.0))
+
+
+class TestFlatParamContentsWorld2(_FlatParamContents):
+    world_size = 2
+
+
+class TestFlatParamContentsWorld3(_FlatParamContents):
     world_size = 3
 
 
