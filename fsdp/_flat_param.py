@@ -315,16 +315,15 @@ class FlatParamHandle:
     def lazy_init(self, streams: CommStreams) -> None:
         """At the root's first forward (the user may have moved or cast the module
         since construction): binds the shard and the tree's streams, allocates
-        buffers, keeps changes the user made to original parameters before it,
-        finds optimizers in backward."""
+        buffers, finds optimizers in backward. Changes the user made to original
+        parameters are written back at the first unshard, as torch's FSDP does: a
+        call that initialises lazily without one (``check_is_root``, an optimizer
+        state dict) leaves a replaced ``Parameter`` in its module."""
         self.storage.check_device()
         self._streams = streams
         self.flat_param._local_shard = self.flat_param.data
-        self.writeback_orig_params(skip_check=False, grads=False)  # gradients: at the unshard
         self.storage.init_buffers()
         self.grads.init_buffers(self.grad_dtype(), self.device)
-        if self._use_orig_params:
-            self.views.show_resharded(self.flat_param)
         self.has_optim_in_backward = marked_for_backward(self.flat_param, self.views.params)
 
     def begin_root_forward(self, forward_prefetch: bool) -> None:

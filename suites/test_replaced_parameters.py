@@ -327,6 +327,35 @@ class ReplacedParameters(FSDPTest):
         self.assertIs(net[0].weight, net[2].weight)
         self.assertEqual(_full(model), {n: p.detach() for n, p in reference.named_parameters()})
 
+    @_optim_keys_need_numpy
+    def test_replaced_before_the_first_forward(self) -> None:
+        """Parameters replaced before the first forward, then calls that initialise
+        FSDP lazily without an unshard (``check_is_root``, an optimizer state dict):
+        the module keeps the user's Parameters until the first unshard writes them
+        back (a lazy initialisation writes nothing back, as torch's), so an optimizer
+        built over them saves under their names. After the first forward a rank keeps
+        those of them holding elements of its shard."""
+        self.run_subtests(
+            {"strategy": list(ShardingStrategy), "target": list(TARGETS)},
+            self._check_replaced_before_the_first_forward,
+        )
+
+    def _check_replaced_before_the_first_forward(
+        self, strategy: ShardingStrategy, target: str
+    ) -> None:
+        model, net = self._model(strategy)
+        new = _replace(_unwrapped(net), TARGETS[target])
+        model.check_is_root()
+        optim = _momentum_sgd(model.parameters())
+        saved = FSDP.optim_state_dict(model, optim)
+        listed = list(model.parameters())
+        self.assertTrue(all(any(p is q for q in listed) for p in new))
+        names = [n for g in saved["param_groups"] for n in g["params"]]
+        self.assertEqual(names, [clean_tensor_name(n) for n, _ in model.named_parameters()])
+        model(torch.ones(2, 3, device=self.device)).sum().backward()
+        listed = list(model.parameters())
+        self.assertEqual([any(p is q for q in listed) for p in new], [p.numel() > 0 for p in new])
+
     def test_parameter_set_inside_a_summon_is_not_written_back(self) -> None:
         model, net = self._model(ShardingStrategy.FULL_SHARD)
         before = _full(model)
