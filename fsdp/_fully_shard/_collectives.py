@@ -10,7 +10,8 @@ buffer (``fsdp._comm.all_gather``). The buffer is then rank-major: rank r's
 shards of every parameter, then rank r+1's. Copying out (one
 ``split_with_sizes_copy`` over the ``(world, -1)`` view) puts each parameter's
 chunks, in rank order, into its own unsharded data. Parameters of several
-all-gather dtypes share a ``uint8`` buffer. The copy-in and the collective run
+all-gather dtypes share a ``uint8`` buffer (each shard copied in as bytes, after
+its cast: a slot need not be aligned to its dtype). The copy-in and the collective run
 on the unshard stream (fsdp._streams), the copy-out on the current stream
 after an event. Writing the unsharded data keeps its version counter: autograd
 saved the unsharded parameters in forward, and backward's all-gather refills
@@ -71,7 +72,8 @@ class GatherResult(NamedTuple):
     """An all-gather issued and not yet copied out."""
 
     output: Tensor | None  # (world * per_rank,) in the buffer dtype; None on one rank
-    split_sizes: list[int]  # each parameter's per-rank part, in buffer elements
+    split_sizes: list[int]  # each input's per-rank part (one per parameter but an
+    # extension's), in buffer elements
     world: int
     event: torch.cuda.Event | None  # after the collective, on the unshard stream
 
@@ -125,8 +127,8 @@ class Comms:
             _comm.reduce_scatter(output, send, group, op)
 
 
-def _buffer_dtype(params: Sequence[ShardedParam]) -> torch.dtype:
-    dtypes = {p.gather_dtype for p in params}
+def _buffer_dtype(inputs: Sequence[tuple[Tensor, torch.dtype]]) -> torch.dtype:
+    dtypes = {dtype for _, dtype in inputs}
     return dtypes.pop() if len(dtypes) == 1 else torch.uint8
 
 
@@ -138,18 +140,18 @@ def all_gather(
     world, rank = group.size(), group.rank()
     if world == 1:  # nothing to gather: the copy-out copies (and casts) the shards
         return GatherResult(None, [], 1, None)
-    dtype = _buffer_dtype(params)
     with streams.on_unshard():
-        inputs = [p.all_gather_input() for p in params]
-        sizes = [_in_buffer_units(t.numel(), p.gather_dtype, dtype) for t, p in zip(inputs, params)]
+        per_param = [p.gather_inputs() for p in params]
+        inputs = [pair for pairs in per_param for pair in pairs]
+        dtype = _buffer_dtype(inputs)
+        sizes = [_in_buffer_units(t.numel(), d, dtype) for t, d in inputs]
         per_rank = sum(sizes)
         output = comms.allocate(comms.all_gather, world * per_rank, dtype, params[0].device, group)
         send = output.narrow(0, per_rank * rank, per_rank)
-        slots = [
-            s if dtype is not torch.uint8 else s.view(p.gather_dtype)
-            for s, p in zip(torch.split(send, sizes), params)
-        ]
-        torch._foreach_copy_(slots, inputs)
+        sources = [t for t, _ in inputs]
+        if dtype is torch.uint8:  # each source as bytes: a slot may not be aligned to its dtype
+            sources = [(t if t.dtype == d else t.to(d)).view(torch.uint8) for t, d in inputs]
+        torch._foreach_copy_(list(torch.split(send, sizes)), sources)
         comms.gather(output, send, group)
         event = streams.record_unshard()
     return GatherResult(output, sizes, world, event)
@@ -170,7 +172,18 @@ def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: Comm
     world = result.world
     outs: list[Tensor] = []
     regroup: list[tuple[ShardedParam, Tensor]] = []
-    for param, size in zip(params, result.split_sizes):
+    extended: list[ShardedParam] = []
+    sizes = iter(result.split_sizes)
+    for param in params:
+        if param.extended:
+            assert param.extension is not None
+            for out in param.extension.alloc_outputs(world, param.device):
+                next(sizes)
+                out = out.view(world, -1)
+                outs.append(out.view(torch.uint8) if buffer.dtype is torch.uint8 else out)
+            extended.append(param)
+            continue
+        size = next(sizes)
         numel = (
             size * world
             if buffer.dtype is not torch.uint8
@@ -186,6 +199,8 @@ def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: Comm
         torch.split_with_sizes_copy(buffer.view(world, -1), result.split_sizes, dim=1, out=outs)
         for param, gathered in regroup:
             _cat_along_shard_dim(param, gathered, world)
+    for param in extended:
+        param.finish_extension()
     # the unshard stream may reuse the buffer's memory once the copy-out ran
     streams.unshard_waits_for_compute()
 
@@ -193,20 +208,29 @@ def copy_out(result: GatherResult, params: Sequence[ShardedParam], streams: Comm
 def _keeping_versions(params: Sequence[ShardedParam]) -> Any:
     """Writes into the unsharded data that leave its version counter as it was
     (tensors made under inference_mode have none)."""
-    unsharded = tuple(
-        p.unsharded_data
-        for p in params
-        if p.unsharded_data is not None and not p.unsharded_data.is_inference()
+    unsharded = [p.unsharded_data for p in params if p.unsharded_data is not None]
+    unsharded += [t for p in params if p.extension is not None for t in p.extension.outputs]
+    return torch.autograd._unsafe_preserve_version_counter(
+        tuple(t for t in unsharded if not t.is_inference())
     )
-    return torch.autograd._unsafe_preserve_version_counter(unsharded)
 
 
 def _copy_one_rank(params: Sequence[ShardedParam]) -> None:
     """One rank: each shard is the whole (padded) parameter, copied and cast on
     the current stream."""
-    datas = [p.alloc_unsharded(p.sharded_data.numel()) for p in params]
+    per_param = [p.gather_inputs() for p in params]
+    datas: list[Tensor] = []
+    for param in params:
+        if param.extended:
+            assert param.extension is not None
+            datas += param.extension.alloc_outputs(1, param.device)
+        else:
+            datas.append(param.alloc_unsharded(param.sharded_data.numel()))
     with _keeping_versions(params):
-        torch._foreach_copy_(datas, [p.all_gather_input() for p in params])
+        torch._foreach_copy_(datas, [t for pairs in per_param for t, _ in pairs])
+    for param in params:
+        if param.extended:
+            param.finish_extension()
 
 
 def _cat_along_shard_dim(param: ShardedParam, gathered: Tensor, world: int) -> None:

@@ -57,9 +57,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp._fully_shard._api import MixedPrecisionPolicy
+from fsdp._fully_shard._extensions import ExtensionGather, has_extension
 from fsdp._fully_shard._mesh import MeshInfo, spmd_mesh
 from fsdp._storage import alloc_storage, free_storage
 
@@ -95,6 +97,20 @@ def _chunk_size(size: torch.Size, world: int, rank: int, dim: int) -> torch.Size
     per = -(-size[dim] // world)
     rows = max(0, min(per, size[dim] - per * rank))
     return torch.Size([*size[:dim], rows, *size[dim + 1 :]])
+
+
+def _same_memory(data: Tensor, local: Tensor) -> bool:
+    """Whether ``local`` is a view of the padded shard ``data`` (a tensor
+    subclass's by its inner tensors, which alone have storage)."""
+    if is_traceable_wrapper_subclass(data) and is_traceable_wrapper_subclass(local):
+        names, _ = data.__tensor_flatten__()  # type: ignore[attr-defined]
+        return all(
+            hasattr(local, n) and _same_memory(getattr(data, n), getattr(local, n)) for n in names
+        )
+    if is_traceable_wrapper_subclass(data) or is_traceable_wrapper_subclass(local):
+        return False
+    ptr = data.untyped_storage().data_ptr()
+    return ptr > 0 and ptr == local.untyped_storage().data_ptr()
 
 
 @dataclass
@@ -154,6 +170,9 @@ class ShardedParam:
     reduce_dtype: torch.dtype | None  # None: reduced in the gradient's dtype
     fqn: str
     orig_uid: int  # shared by the shardings of one tied parameter
+    mp_policy: MixedPrecisionPolicy
+    extension: ExtensionGather | None  # from the first all-gather through an extension
+    extended: bool  # the last all-gather's inputs came from the extension
 
     def __init__(
         self,
@@ -182,6 +201,8 @@ class ShardedParam:
         self.orig_dtype = param.dtype
         self.fqn = location.name
         self.orig_uid = orig_uid(param)
+        self.mp_policy = MixedPrecisionPolicy()
+        self.extension, self.extended = None, False
         self._shard(param)
         self.post_forward_size = self._post_forward_size()
 
@@ -261,6 +282,7 @@ class ShardedParam:
         """The dtypes to all-gather and reduce in (``None``: no cast needed),
         read when the tree is first run (the user may cast parameters before)."""
         self.orig_dtype = self.sharded_param.dtype
+        self.mp_policy = mp_policy
         param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
         if reduce_dtype == param_dtype:
             reduce_dtype = None
@@ -288,9 +310,7 @@ class ShardedParam:
         if local.is_meta:
             return
         data = self.sharded_data
-        same = data.untyped_storage().data_ptr() > 0 and (
-            data.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        )
+        same = _same_memory(data, local)
         padded, changed = local, False
         if local.size() != self.padded_sharded_size and not same:
             if self.shard_dim != 0:
@@ -310,6 +330,43 @@ class ShardedParam:
         self.spec = param._spec  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ all-gather
+
+    def gather_inputs(self) -> list[tuple[Tensor, torch.dtype]]:
+        """What this rank sends, each with the dtype it is sent in: the padded shard
+        (see ``all_gather_input``), or the inputs of the local tensor's all-gather
+        extension ([Note: All-gather extensions] in fsdp._fully_shard._extensions)."""
+        local: Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        self.extended = has_extension(local)
+        if not self.extended:
+            return [(self.all_gather_input(), self.gather_dtype)]
+        if self.post_forward_data is not None:
+            raise NotImplementedError("all-gather extensions from the post-forward mesh")
+        if self.offload:
+            local = local.to(self.device, non_blocking=True)
+        if self.extension is None:
+            self.extension = ExtensionGather()
+        mesh = self.mesh_info.mesh
+        if mesh.ndim > 1:  # the shard dimension of an HSDP mesh
+            mesh = mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
+        inputs = self.extension.inputs(
+            local,
+            mesh,
+            self.location.module,
+            self.mp_policy,
+            (self.orig_size, self.orig_stride),
+            self.padded_sharded_size,
+        )
+        return [(t, t.dtype) for t in inputs]
+
+    def finish_extension(self) -> None:
+        """After an all-gather through the extension: its unsharded tensor becomes
+        the unsharded parameter, or (later all-gathers) refills it."""
+        assert self.extension is not None
+        local: Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        dtype = self.param_dtype or self.orig_dtype
+        unsharded = self.extension.post(local, dtype, self.unsharded_param)
+        if unsharded is not None:
+            self._init_unsharded_param(unsharded)
 
     def all_gather_input(self) -> Tensor:
         """What this rank sends: the padded shard (or post-forward shard), on the
@@ -354,6 +411,8 @@ class ShardedParam:
         self.post_forward_data = None
         if self.unsharded_data is not None:
             free_storage(self.unsharded_data)
+        if self.extension is not None:
+            self.extension.free()
 
     def to_unsharded(self) -> None:
         unsharded = self.unsharded_param
@@ -367,6 +426,10 @@ class ShardedParam:
         if self.tp_spec is not None:
             raise NotImplementedError(
                 "Resharding to smaller mesh is not supported for DTensor parameters yet"
+            )
+        if self.extended:
+            raise NotImplementedError(
+                "Resharding to smaller mesh is not supported with all-gather extensions"
             )
         info, data = self.post_forward_info, self.unsharded_data
         assert info is not None and data is not None and self.post_forward_size is not None

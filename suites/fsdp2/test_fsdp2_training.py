@@ -408,3 +408,91 @@ class ParamSum(nn.Module):
 
     def forward(self, scale: torch.Tensor) -> torch.Tensor:
         return scale * sum(p.sum() for p in self.inner.parameters())
+
+
+def _attach_float64_gather(
+    local: torch.Tensor, seen: list[tuple[int, int, tuple[int, ...]]]
+) -> None:
+    """Torch's all-gather extension, monkey-patched onto one sharded weight's local
+    tensor: the shard travels padded and in float64 (a lossless detour, so the
+    training stays exactly the reference's), and the unsharded weight is cast
+    back from the float64 rows. ``seen`` records each all-gather's mesh (its
+    dimensions and size) and the weight's unsharded size."""
+
+    def pre(
+        self: torch.Tensor,
+        mesh: object,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: object,
+    ) -> tuple[tuple[torch.Tensor, ...], None]:
+        seen.append((mesh.ndim, mesh.size(), tuple(outer_size)))  # type: ignore[attr-defined]
+        rows = -(-outer_size[0] // mesh.size())  # type: ignore[attr-defined]
+        padded = self.new_zeros((rows, *outer_size[1:]), dtype=torch.float64)
+        padded[: self.size(0)].copy_(self)
+        return (padded,), None
+
+    @torch.no_grad()  # ``out`` is the unsharded parameter, a leaf that requires grad
+    def post(
+        self: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: None,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        (gathered,) = outputs
+        if out is not None:  # refill the unsharded weight autograd may have saved
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(gathered[: out.size(0)])
+            return None
+        weight = gathered.to(param_dtype)
+        return weight, (gathered, weight)
+
+    local.fsdp_pre_all_gather = pre.__get__(local)  # type: ignore[attr-defined]
+    local.fsdp_post_all_gather = post.__get__(local)  # type: ignore[attr-defined]
+
+
+class TestFullyShardAllGatherExtensions(FSDP2Test):
+    def test_extension_trains_as_the_reference(self) -> None:
+        """Weights whose local tensors carry ``fsdp_pre_all_gather`` /
+        ``fsdp_post_all_gather`` are all-gathered through them (float64 inputs
+        sharing the group's buffer with the float32 biases, uneven shapes): every
+        all-gather passes the 1-D shard mesh (on a 2-D mesh its shard dimension)
+        and the weight's full size, forward and backward, and training matches the
+        reference, with or without resharding after forward."""
+        self.run_subtests(
+            {"reshard_after_forward": [True, False], "replicas": [1, self.world_size]},
+            self._extension_parity,
+        )
+
+    def _extension_parity(self, reshard_after_forward: bool, replicas: int) -> None:
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).to(self.device)
+
+        mesh = self.hsdp_mesh(replicas) if replicas > 1 else self.mesh()
+        kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+        run = lockstep(self, build, lambda m: shard_each(m, [m[0], m[2]], **kwargs))
+        seen: list[tuple[int, int, tuple[int, ...]]] = []
+        for layer in (run.model[0], run.model[2]):
+            _attach_float64_gather(layer.weight._local_tensor, seen)
+        run.train(2, (3, 5))
+        shard_size = self.world_size // replicas
+        self.assertEqual({s[:2] for s in seen}, {(1, shard_size)})
+        self.assertEqual({s[2] for s in seen}, {(7, 5), (3, 7)})
+        gathers_per_step = 4 if reshard_after_forward else 2
+        self.assertEqual(len(seen), 2 * gathers_per_step)
+
+    def test_invalid_pre_all_gather_signature(self) -> None:
+        """An ``fsdp_pre_all_gather`` taking neither ``(mesh)`` nor ``(mesh,
+        outer_size, outer_stride, module, mp_policy)`` is refused at the first
+        all-gather."""
+        model = nn.Linear(4, 4).to(self.device)
+        fully_shard(model)
+        local = model.weight._local_tensor
+        local.fsdp_pre_all_gather = lambda mesh, size: ((local,), None)
+        local.fsdp_post_all_gather = lambda outputs, metadata, dtype, *, out=None: None
+        with self.assertRaisesRegex(AssertionError, "Invalid fsdp_pre_all_gather"):
+            model(batch(self.rank, 0, 2, 4))
