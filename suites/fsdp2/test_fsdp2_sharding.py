@@ -165,3 +165,35 @@ class Wrap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(torch.relu(self.inner(x)))
+
+
+class FrozenHalfBeside(nn.Module):
+    """A frozen bfloat16 table (3 elements per rank's shard: 6 bytes), managed
+    before a float32 layer in the same group, so the all-gather buffer mixes
+    dtypes (``uint8``) and the float32 shards start 6 bytes in."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.holder = nn.Module()
+        self.holder.table = nn.Parameter(
+            torch.arange(3 * world_size, dtype=torch.bfloat16), requires_grad=False
+        )
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.holder.table.float().sum()
+
+
+class TestFullyShardMixedDtypeBuffer(FSDP2Test):
+    def test_unaligned_dtypes_in_one_all_gather(self) -> None:
+        """A group whose shards of several dtypes do not fall on their dtypes'
+        alignment in the shared byte buffer all-gathers every parameter whole
+        (the frozen table's values, the layer's too) and trains."""
+        torch.manual_seed(0)
+        model = FrozenHalfBeside(self.world_size).to(self.device)
+        reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fully_shard(model, reshard_after_forward=False)
+        model(batch(self.rank, 0, 2, 3)).sum().backward()
+        for name, param in model.named_parameters():
+            self.assertEqual(param.full_tensor(), reference[name], msg=name)
+            self.assertEqual(param.grad is None, name == "holder.table", msg=name)
