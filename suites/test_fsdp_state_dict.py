@@ -121,10 +121,10 @@ def _fp16_mixed_precision() -> MixedPrecision:
 
 
 def _broadcast_state_dict(rank: int, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's state dict on every rank, as a pickled object: after a
-    ``rank0_only`` save the other ranks hold empty dicts, which
-    ``upstream.common_fsdp._broadcast_state_dict`` (tensor by tensor into each
-    rank's own entries) cannot fill."""
+    """Rank 0's state dict on every rank, as a pickled object (after a
+    ``rank0_only`` save the other ranks hold empty dicts; upstream's helper, which
+    ``upstream.common_fsdp._broadcast_state_dict`` follows with tensors, does the
+    same)."""
     cpu_dict = {key: value.cpu() for key, value in state_dict.items()}
     objects = [cpu_dict]
     dist.broadcast_object_list(objects, src=0)

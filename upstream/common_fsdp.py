@@ -22,6 +22,7 @@ also imported in the pytest process, which must not initialise CUDA.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack, nullcontext
 from copy import deepcopy
@@ -197,19 +198,39 @@ def subtest_name(test_name_mapping: Mapping[str, str], *args: object) -> str:
 def _broadcast_state_dict(
     rank: int, state_dict: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Rank 0's values of ``state_dict`` on every rank, on the test's device.
+    """Rank 0's ``state_dict`` on every rank, on the test's device.
 
     Upstream broadcasts rank 0's dict as a pickled object (which needs numpy);
-    here each tensor is broadcast into the receiving rank's own entry, so every
-    rank passes a state dict with rank 0's keys and sizes (upstream's callers
-    pass each rank's copy of the same model's). ``rank`` is not needed."""
+    here rank 0 first broadcasts its keys, dtypes and shapes (as UTF-8 bytes in a
+    tensor), then each tensor, so a rank passes any dict: its own copy of the
+    state, or an empty one (a ``rank0_only`` full state dict). ``rank`` is not
+    needed."""
     device = current_device()
+    source = dist.get_rank() == 0
+    layout = [
+        (name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state_dict.items()
+    ]
+    layout = json.loads(_broadcast_bytes(json.dumps(layout).encode() if source else b"", device))
     received = {}
-    for name in sorted(state_dict):
-        tensor = state_dict[name].detach().to(device).contiguous()
+    for name, dtype, shape in layout:
+        if source:
+            tensor = state_dict[name].detach().to(device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         dist.broadcast(tensor, src=0)
         received[name] = tensor
-    return {name: received[name] for name in state_dict}
+    return received
+
+
+def _broadcast_bytes(payload: bytes, device: torch.device) -> bytes:
+    """Rank 0's ``payload`` on every rank (the others' is ignored)."""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0 and payload:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist())
 
 
 def get_full_params(model: nn.Module, recurse: bool = True) -> list[nn.Parameter]:

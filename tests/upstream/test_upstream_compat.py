@@ -393,6 +393,43 @@ def test_models_are_restored_outside_this_repository(inner: Any) -> None:
     run.result.assert_outcomes(passed=2)
 
 
+BROADCAST_RANK0_ONLY = textwrap.dedent(
+    """
+    import torch
+    from upstream.common_fsdp import FSDPTest, _broadcast_state_dict
+
+
+    class TestBroadcast(FSDPTest):
+        world_size = 3
+
+        def test_rank0_only_dict_reaches_every_rank(self):
+            sent = {
+                "b.weight": torch.arange(6, dtype=torch.float32).view(2, 3),
+                "a.count": torch.tensor(7, dtype=torch.int64),
+                "half": torch.full((4,), 0.5, dtype=torch.float16),
+            }
+            got = _broadcast_state_dict(self.rank, sent if self.rank == 0 else {})
+            assert list(got) == list(sent)
+            for name, tensor in sent.items():
+                assert got[name].dtype == tensor.dtype, name
+                assert torch.equal(got[name].cpu(), tensor), name
+
+        def test_each_rank_passing_its_copy_gets_rank0s_values(self):
+            mine = {"w": torch.full((2, 2), float(self.rank))}
+            got = _broadcast_state_dict(self.rank, mine)
+            assert torch.equal(got["w"].cpu(), torch.zeros(2, 2))
+    """
+)
+
+
+def test_broadcast_state_dict_takes_a_rank0_only_dict(inner: Any) -> None:
+    """``_broadcast_state_dict`` sends rank 0's keys, dtypes and shapes first, so
+    the other ranks may pass an empty dict (what a ``rank0_only`` full state dict is
+    there), as upstream's tests of rank-0 checkpoints do."""
+    run = inner(BROADCAST_RANK0_ONLY, "-p", "upstream.plugin")
+    run.result.assert_outcomes(passed=2)
+
+
 # -- upstream's names, without ranks -----------------------------------------------------------
 
 
