@@ -59,22 +59,23 @@ class ExtensionGather:
     sizes: list[torch.Size]  # the last inputs' sizes
     dtypes: list[torch.dtype]  # the last inputs' dtypes
     metadata: Any
+    mesh: DeviceMesh  # the 1-D shard mesh the extension is given
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: DeviceMesh) -> None:
         self.outputs, self.inner, self.sizes, self.dtypes = [], [], [], []
         self.metadata = None
+        self.mesh = mesh
 
     def inputs(
         self,
         local: Tensor,
-        mesh: DeviceMesh,
         module: nn.Module,
         mp_policy: MixedPrecisionPolicy,
         orig: tuple[torch.Size, tuple[int, ...]],
         padded_size: torch.Size,
     ) -> list[Tensor]:
         """The extension's all-gather inputs, flattened."""
-        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        pre, mesh = local.fsdp_pre_all_gather, self.mesh  # type: ignore[attr-defined]
         arity = len(inspect.signature(pre).parameters)
         if arity == 1:
             inputs, self.metadata = pre(mesh)

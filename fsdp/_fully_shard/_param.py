@@ -344,13 +344,12 @@ class ShardedParam:
         if self.offload:
             local = local.to(self.device, non_blocking=True)
         if self.extension is None:
-            self.extension = ExtensionGather()
-        mesh = self.mesh_info.mesh
-        if mesh.ndim > 1:  # the shard dimension of an HSDP mesh
-            mesh = mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
+            mesh = self.mesh_info.mesh
+            if mesh.ndim > 1:  # the shard dimension of an HSDP mesh
+                mesh = mesh[mesh.mesh_dim_names[-1]]  # type: ignore[index]
+            self.extension = ExtensionGather(mesh)
         inputs = self.extension.inputs(
             local,
-            mesh,
             self.location.module,
             self.mp_policy,
             (self.orig_size, self.orig_stride),
