@@ -614,6 +614,10 @@ class FlatParamHandle:
 
     # -- writeback of user changes (use_orig_params) ----------------------------------------------
 
+    def writeback_before_save(self) -> None:
+        """A local state dict saves the shard: the user's parameter changes first."""
+        self.writeback_orig_params(self._skip_writeback_check, grads=False)
+
     def writeback_orig_params(self, skip_check: bool, grads: bool = True) -> None:
         """Copies user changes of original parameters and their gradients into the flat
         parameter (see [Note: Original parameters (use_orig_params=True)])."""

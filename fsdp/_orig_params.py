@@ -421,6 +421,8 @@ class OrigParamViews:
         if self.mode is not ViewMode.RESHARDED:
             return False
         flat_grad = flat_param.grad
+        if flat_grad is not None and any(self._grad_none):
+            return False  # a dropped gradient's part is zeroed at every writeback
         views = (
             self._grad_views[1] if self._grad_views and self._grad_views[0] is flat_grad else None
         )
@@ -476,9 +478,12 @@ class OrigParamViews:
         assert found is not None
         start, numel = found
         if param.grad is None:
-            if flat_grad is None or not param.requires_grad or self._grad_none[i]:
+            if flat_grad is None or not param.requires_grad:
                 return False
-            flat_grad[start : start + numel].zero_()  # the user dropped this gradient
+            # The user dropped this gradient: zeroed at every writeback until a
+            # backward shows it again, as torch's FSDP does (an edit of the summoned
+            # gradient written back meanwhile is dropped again)
+            flat_grad[start : start + numel].zero_()
             self._grad_none[i] = True
             return True
         self._grad_none[i] = False

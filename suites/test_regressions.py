@@ -823,6 +823,33 @@ class TestWriteback(FSDPTest):
         for i, (param, grad) in enumerate(zip(params, grads)):
             self.assertIs(param.grad, grad, f"parameter {i} (of {len(params)})")
 
+    def test_dropped_gradient_stays_dropped_through_a_summon_edit(self) -> None:
+        """use_orig_params: a gradient the user sets to None after a backward stays
+        dropped until the next backward: an edit of its summoned gradient written
+        back by ``summon_full_params(writeback=True, with_grads=True)`` is zeroed
+        again at the next writeback (torch's FSDP zeroes a None gradient's part of
+        the flat gradient at every writeback), while the other edits stay."""
+        self.run_subtests({"sharding_strategy": list(ALL_STRATEGIES)}, self._check_dropped_gradient)
+
+    def _check_dropped_gradient(self, sharding_strategy: ShardingStrategy) -> None:
+        model = _wrap(_blocks(), use_orig_params=True, sharding_strategy=sharding_strategy)
+        model(_input(self.rank)).sum().backward()
+        first = next(model.parameters())
+        first.grad = None
+        with FSDP.summon_full_params(model, writeback=True, with_grads=True):
+            before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(2.0).add_(0.5)
+        with FSDP.summon_full_params(model, with_grads=True):
+            after = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        self.assertIsNotNone(before[0])
+        self.assertEqual(after[0], torch.zeros_like(before[0]))
+        for i, (old, new) in enumerate(zip(before[1:], after[1:]), start=1):
+            self.assertEqual(new, old * 2.0 + 0.5, msg=f"parameter {i}")
+        self.assertIsNone(first.grad)
+
     def test_local_state_dict_holds_replaced_data(self) -> None:
         """``p.data = ...`` on the original parameters, then a LOCAL_STATE_DICT
         save: the saved shard holds the new data, as a summon's writeback does."""

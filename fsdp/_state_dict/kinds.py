@@ -195,6 +195,14 @@ def _plain_tensor_error(state: FSDPState, key: str, value: Tensor) -> AssertionE
 
 
 class _LocalStateDict(Kind):
+    def pre_save(self, state: FSDPState, settings: Settings) -> SummonedUnit | None:
+        """The saved shard holds the user's changes of original parameters
+        (``p.data = ...``), as a summon's writeback would (torch's FSDP saves the
+        shard as it was: ``KnownDefects.local_state_dict_skips_writeback``)."""
+        if state.handle is not None:
+            state.handle.writeback_before_save()
+        return None
+
     def post_save(
         self,
         state: FSDPState,

@@ -70,6 +70,9 @@ class Difference(NamedTuple):
             f"    under test: {render(self.ours)}\n"
             f"    reference:  {render(self.reference)}"
         )
+        apart = _elements_apart(self.ours, self.reference)
+        if apart:
+            text += f"\n    {apart}"
         if self.whole is not None:
             ours, reference = (_clipped(render(v)) for v in self.whole)
             text += f"\n  in the whole observation:\n    under test: {ours}\n    reference:  {reference}"
@@ -138,6 +141,24 @@ def render(value: Any, limit: int = 6) -> str:
             + "]"
         )
     return repr(value)
+
+
+def _elements_apart(ours: Any, reference: Any, limit: int = 4) -> str:
+    """Where two tensors of one shape differ (``render`` shows their first values
+    only): the first differing flat indices with both values, and how many."""
+    views = (ours, reference)
+    if not all(isinstance(v, TensorView) and isinstance(v.values, torch.Tensor) for v in views):
+        return ""
+    a, b = (v.values.flatten().double() for v in views)
+    if a.shape != b.shape:
+        return ""
+    apart = torch.nonzero((a != b) & ~(a.isnan() & b.isnan())).flatten().tolist()
+    if not apart:
+        return ""
+    shown = ", ".join(
+        f"[{i}] {_number_text(a[i].item())} vs {_number_text(b[i].item())}" for i in apart[:limit]
+    )
+    return f"elements apart ({len(apart)} of {a.numel()}; under test vs reference): {shown}"
 
 
 def _clipped(text: str, limit: int = 1200) -> str:
