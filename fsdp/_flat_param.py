@@ -495,16 +495,8 @@ class FlatParamHandle:
         self.prefetch.move(Prefetch.SHOWN)
 
     def _drop_low_precision_copy(self) -> None:
-        """Frees the low-precision unsharded copy, if one is allocated.
-
-        [Note: A full-precision unshard drops the low-precision copy]
-        A unit whose forward kept its unsharded parameter (the root,
-        ``SHARD_GRAD_OP``) holds it in the parameter dtype. An unshard in full
-        precision (an eval forward under ``FSDP_USE_FULL_PREC_IN_EVAL``, a
-        summon) frees that copy, as torch's FSDP does: the full-precision
-        parameters it shows may be edited, and the next low-precision forward or
-        backward must gather them again rather than compute with the old copy.
-        """
+        """Frees the low-precision unsharded copy, if one is allocated ([Note: A
+        full-precision unshard drops the low-precision copy] in fsdp._storage)."""
         low = self.storage.low_precision_unsharded()
         if low is not None:
             self._release([low])

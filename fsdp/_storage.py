@@ -23,6 +23,16 @@ unsharded, unpadded flat parameter on the compute device. An unsharded buffer
 may stay allocated while ``SHARDED`` (kept since forward, or filled by a
 prefetch): ``ready_unsharded`` finds it, and the next unshard needs no
 communication. Transitions are checked.
+
+[Note: A full-precision unshard drops the low-precision copy]
+A unit whose forward kept its unsharded parameter (the root, ``SHARD_GRAD_OP``)
+holds it in the parameter dtype. An unshard in full precision (an eval forward
+under ``FSDP_USE_FULL_PREC_IN_EVAL``, a summon) frees that copy, as torch's FSDP
+does: the full-precision parameters it shows may be edited, and the next
+low-precision forward or backward must gather them again rather than compute
+with the old copy. The full-precision copy is freed at the next reshard (torch's
+FSDP keeps it where forward kept the unit unsharded, and computes the next eval
+with it after an optimizer step: ``KnownDefects.keeps_full_precision_eval_copy``).
 """
 
 from __future__ import annotations
