@@ -437,7 +437,7 @@ class ProgramMachine(StateDictRules, RuleBasedStateMachine):
         parameter between iterations (no gradients: they are not preserved), then
         a new optimizer over the new parameters."""
         self._add(sc.ReplaceParams())
-        self.history.data_replaced()
+        self.history.params_replaced_by_user()
 
     @precondition(
         lambda self: (

@@ -155,6 +155,8 @@ class StateDictRules:
             self._add(sc.LoadOptimState(slot=slot, scatter=then == "scatter"))
 
     def _may_save_optim(self) -> bool:
+        if self.history.orphans_possible:  # see GradHistory.params_replaced
+            return False
         return self.TARGET.may_save_optim_state(self.setup) and not (
             self.history.optim_partial
             and self.setup.use_orig_params
@@ -175,6 +177,8 @@ class StateDictRules:
         self.saved_optim.append(SavedOptim(api, settings, rank0_only))
 
     def _optim_loadable(self) -> list[int]:
+        if self.history.orphans_possible:  # see GradHistory.params_replaced
+            return []
         slots = []
         for i, saved in enumerate(self.saved_optim):
             if saved.api is not sc.OptimApi.OPTIM_STATE_DICT:
@@ -190,6 +194,8 @@ class StateDictRules:
         self._add(sc.LoadOptimState(slot=slot, scatter=scatter))
 
     def _rekeyable(self) -> list[int]:
+        if self.history.orphans_possible:  # see GradHistory.params_replaced
+            return []
         return [
             i
             for i, saved in enumerate(self.saved_optim)

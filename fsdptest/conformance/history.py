@@ -45,6 +45,14 @@ class GradHistory:
     resharded: bool = False
     # a forward ran in eval mode (FULL_PRECISION_EVAL_COPY_KEPT)
     eval_forwarded: bool = False
+    # Parameters were replaced by new ones (and a new optimizer built over them),
+    # and a forward or summon wrote them back since: a rank whose shard holds no
+    # element of a replaced parameter shows a view instead, so the optimizer holds
+    # a parameter the model no longer lists on some ranks only, and an optimizer
+    # state dict raises KeyError there (both FSDPs) while the other ranks go on
+    # into the next collective. No optimizer state dict is saved or loaded then.
+    params_replaced: bool = False
+    orphans_possible: bool = False
 
     def eval_forward_ran(self) -> None:
         self.eval_forwarded = True
@@ -82,3 +90,7 @@ class GradHistory:
     def written_back(self) -> None:
         """A forward or summon wrote replaced data back."""
         self.replaced = False
+        self.orphans_possible = self.orphans_possible or self.params_replaced
+
+    def params_replaced_by_user(self) -> None:
+        self.replaced = self.params_replaced = True
