@@ -29,14 +29,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("fsdp", "fsdptest", "our FSDP is a library"),
     ("fsdp", "models", "our FSDP is a library"),
     ("fsdp", "torch.distributed.fsdp", "torch's FSDP is the oracle, never a building block"),
-    # torch's composable packages other than ``contract`` (the registry every
-    # composable API shares, which torch's ``replicate`` reads: our fully_shard
-    # registers there, as torch's does)
-    ("fsdp", "torch.distributed._composable.fsdp", "torch's FSDP is the oracle"),
-    ("fsdp", "torch.distributed._composable.fully_shard", "torch's FSDP is the oracle"),
-    ("fsdp", "torch.distributed._composable.replicate", "a user's API, not a building block"),
-    ("fsdp", "torch.distributed._composable.replicate_with_fsdp", "torch's FSDP is the oracle"),
-    ("fsdp", "torch.distributed._composable.checkpoint_activation", "a user's API"),
+    ("fsdp", "torch.distributed._composable", "torch's FSDP is the oracle"),
     ("fsdptest", "models", "models build on the test layer, not the other way round"),
     ("fsdptest", "suites", "suites are on top"),
     ("models", "suites", "suites are on top"),

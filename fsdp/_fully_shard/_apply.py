@@ -15,13 +15,11 @@ class then becomes its ``FSDPModule`` subclass.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -41,6 +39,10 @@ from fsdp._fully_shard._state import FullyShardState, state_of
 __all__ = ["fully_shard"]
 
 _FSDP_CLASSES: dict[type, type] = {}
+# The prefix of the attributes torch's composable APIs (``contract``) keep in a
+# module's ``__dict__``: their states by function, and their registry by function
+# name (``REGISTRY_KEY``, the prefix and a uuid drawn per process)
+_COMPOSABLE_KEY_PREFIX = "__composable_api_state_key"
 # torch's defaults: frozen, so one instance serves every call
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
@@ -94,7 +96,6 @@ def fully_shard(
         group = ParamGroup(sharded, modules, info, post_forward, device, mp_policy, offload_policy)
         state.set_group(group)
     for root in modules:
-        _register_composable(root)
         _swap_class(root)
     return module
 
@@ -163,18 +164,14 @@ def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
 
 
 def _has_replicate(module: nn.Module) -> bool:
-    """Whether torch's composable ``replicate`` was applied to ``module`` (the
-    registry of torch's composable APIs)."""
-    registry = _get_registry(module)
-    return registry is not None and "replicate" in registry
-
-
-def _register_composable(module: nn.Module) -> None:
-    """Names ``fully_shard`` in ``module``'s registry of composable APIs, as torch's
-    ``contract`` does: torch's ``replicate`` leaves such modules (and their
-    parameters) to FSDP, whichever FSDP it is."""
-    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
-    registry.setdefault("fully_shard", RegistryItem())
+    """Whether torch's composable ``replicate`` was applied to ``module`` (its
+    registry, read from the module's ``__dict__`` without importing torch's
+    composable package)."""
+    return any(
+        isinstance(value, dict) and "replicate" in value
+        for key, value in vars(module).items()
+        if key.startswith(_COMPOSABLE_KEY_PREFIX)
+    )
 
 
 def _all_ignored(

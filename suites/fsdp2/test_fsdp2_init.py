@@ -287,30 +287,6 @@ class TestFullyShardInitMore(FSDP2Test):
         for name, param in model.named_parameters():
             self.assertEqual(isinstance(param, DTensor), not name.startswith("0."), msg=name)
 
-    def test_replicate_leaves_fully_sharded_children(self) -> None:
-        """torch's composable ``replicate`` of a parent whose child ``fully_shard``
-        manages leaves that child to FSDP (``fully_shard`` names itself in the
-        module's registry of composable APIs, as torch's does): a step on the same
-        batch on every rank gives the unwrapped model's loss and gradients, the
-        child's as DTensors."""
-        from torch.distributed._composable import replicate
-
-        torch.manual_seed(0)
-        model = nn.Sequential(*(MLP(4) for _ in range(3))).to(self.device)
-        reference = copy.deepcopy(model)
-        fully_shard(model[1])
-        replicate(model)
-        x = torch.arange(8.0, device=self.device).reshape(2, 4) / 8
-        loss = model(x).sum()
-        loss.backward()
-        expected = reference(x).sum()
-        expected.backward()
-        self.assertEqual(loss, expected)
-        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-            self.assertEqual(isinstance(param, DTensor), name.startswith("1."), msg=name)
-            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-            self.assertEqual(grad, ref.grad, msg=name)
-
 
 class TestFullyShardHSDPInit(FSDP2Test):
     world_size = 4
